@@ -1,0 +1,125 @@
+"""The two collectives of a param group, with their copy-in and copy-out.
+
+Layouts (W = shard world size, see [Note: the padded layout] in param.py):
+
+- all-gather: ``all_gather_output`` is 1D, ``W * shard_numel`` long, rank k's
+  block at ``k * shard_numel``; inside a block, parameter i's slot is
+  ``padded_shard_numel_i`` long at the same offset on every rank.
+  ``all_gather_input`` is this rank's block of the output (gathered in place).
+- reduce-scatter: ``reduce_scatter_input`` is ``(W, shard_numel)``, row k
+  holding chunk k of every gradient, padded; ``reduce_scatter_output`` is this
+  rank's row after the sum.
+"""
+
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from .comm import CommContext, InFlight
+from .param import FSDPParam
+from .private_api import chunk_cat_
+
+
+class AllGatherInFlight(NamedTuple):
+    all_gather_output: torch.Tensor  # 1D, W * shard_numel
+    in_flight: InFlight
+
+
+class ReduceScatterInFlight(NamedTuple):
+    fsdp_params: list[FSDPParam]  # those whose gradients were reduced, in buffer order
+    reduce_scatter_input: torch.Tensor  # (W, shard_numel), kept alive until the wait
+    reduce_scatter_output: torch.Tensor  # 1D, shard_numel
+    in_flight: InFlight
+
+
+def _copy_in_split_sizes(fsdp_params: list[FSDPParam]) -> list[int]:
+    """Alternating [local, padding] sizes that split one rank's block."""
+    sizes = []
+    for fsdp_param in fsdp_params:
+        sizes += [fsdp_param.local_numel, fsdp_param.padded_shard_numel - fsdp_param.local_numel]
+    return sizes
+
+
+@torch.no_grad()
+def all_gather(
+    fsdp_params: list[FSDPParam],
+    group: dist.ProcessGroup,
+    rank: int,
+    world_size: int,
+    comm: CommContext,
+) -> AllGatherInFlight:
+    """Copies this rank's shards into one flat buffer and starts the all-gather."""
+    shard_numel = sum(p.padded_shard_numel for p in fsdp_params)
+    dtype, device = fsdp_params[0].dtype, fsdp_params[0].device
+    all_gather_output = torch.empty(world_size * shard_numel, dtype=dtype, device=device)
+    all_gather_input = all_gather_output.narrow(0, rank * shard_numel, shard_numel)
+    dsts = all_gather_input.split(_copy_in_split_sizes(fsdp_params))[::2]
+    torch._foreach_copy_(dsts, [p.all_gather_input for p in fsdp_params])
+    in_flight = comm.issue(
+        "all_gather",
+        lambda async_op: dist.all_gather_single(
+            all_gather_output, all_gather_input, group=group, async_op=async_op
+        ),
+    )
+    return AllGatherInFlight(all_gather_output, in_flight)
+
+
+@torch.no_grad()
+def copy_out(result: AllGatherInFlight, fsdp_params: list[FSDPParam], world_size: int) -> None:
+    """Waits for the all-gather and scatters it into each unsharded parameter."""
+    result.in_flight.wait()
+    dsts = [p.alloc_unsharded() for p in fsdp_params]  # each (W, padded_shard_numel)
+    torch.split_with_sizes_copy(
+        result.all_gather_output.view(world_size, -1),
+        [p.padded_shard_numel for p in fsdp_params],
+        dim=1,
+        out=dsts,
+    )
+
+
+@torch.no_grad()
+def reduce_scatter(
+    fsdp_params: list[FSDPParam],
+    unsharded_grads: list[torch.Tensor],
+    group: dist.ProcessGroup,
+    world_size: int,
+    comm: CommContext,
+) -> ReduceScatterInFlight:
+    """Packs the gradients rank-major and starts the (summing) reduce-scatter.
+
+    The caller drops its references to ``unsharded_grads`` afterwards: the
+    packed copy is all the collective needs.
+    """
+    shard_numel = sum(p.padded_shard_numel for p in fsdp_params)
+    grad = unsharded_grads[0]
+    reduce_scatter_input = torch.empty(
+        (world_size, shard_numel), dtype=grad.dtype, device=grad.device
+    )
+    chunk_cat_(unsharded_grads, world_size, out=reduce_scatter_input)
+    reduce_scatter_output = torch.empty(shard_numel, dtype=grad.dtype, device=grad.device)
+    in_flight = comm.issue(
+        "reduce_scatter",
+        lambda async_op: dist.reduce_scatter_single(
+            reduce_scatter_output,
+            reduce_scatter_input.view(-1),
+            op=dist.ReduceOp.SUM,
+            group=group,
+            async_op=async_op,
+        ),
+    )
+    return ReduceScatterInFlight(
+        fsdp_params, reduce_scatter_input, reduce_scatter_output, in_flight
+    )
+
+
+@torch.no_grad()
+def finish_reduce_scatter(result: ReduceScatterInFlight) -> None:
+    """Waits, averages over ranks as DDP does, and accumulates the sharded grads."""
+    result.in_flight.wait()
+    output = result.reduce_scatter_output
+    output.div_(result.reduce_scatter_input.size(0))  # world size
+    slots = output.split([p.padded_shard_numel for p in result.fsdp_params])
+    for fsdp_param, slot in zip(result.fsdp_params, slots, strict=True):
+        local_grad = slot[: fsdp_param.local_numel].view(fsdp_param.local_shape)
+        fsdp_param.accumulate_sharded_grad(local_grad)

@@ -1,0 +1,65 @@
+"""Enums and small records shared by the engine."""
+
+import math
+from dataclasses import dataclass
+from enum import Enum, auto
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+
+class TrainingState(Enum):
+    """Where a param group is in the current iteration."""
+
+    IDLE = auto()
+    FORWARD = auto()
+    PRE_BACKWARD = auto()
+    POST_BACKWARD = auto()
+
+
+class ShardedState(Enum):
+    """What the owning modules hold: sharded DTensors or unsharded views."""
+
+    SHARDED = auto()
+    UNSHARDED = auto()
+
+
+@dataclass(frozen=True)
+class MeshInfo:
+    """The data-parallel axis of a mesh, resolved once."""
+
+    mesh: DeviceMesh
+    shard_axis: int
+    shard_group: dist.ProcessGroup
+    shard_world_size: int
+    shard_rank: int
+
+    @classmethod
+    def from_mesh(cls, mesh: DeviceMesh) -> "MeshInfo":
+        shard_axis = 0
+        return cls(
+            mesh=mesh,
+            shard_axis=shard_axis,
+            shard_group=mesh.get_group(shard_axis),
+            shard_world_size=mesh.size(shard_axis),
+            shard_rank=mesh.get_local_rank(shard_axis),
+        )
+
+
+def chunk_rows(dim0: int, world_size: int) -> int:
+    """Rows per rank in the padded layout: ``torch.chunk``'s chunk size."""
+    return math.ceil(dim0 / world_size) if dim0 > 0 else 0
+
+
+def local_rows(dim0: int, world_size: int, rank: int) -> int:
+    """Rows of ``torch.chunk(t, world_size)[rank]``: zero for ranks past the last chunk."""
+    rows = chunk_rows(dim0, world_size)
+    return max(0, min(rows, dim0 - rank * rows))
+
+
+def device_from_mesh(mesh: DeviceMesh) -> torch.device:
+    if mesh.device_type == "cpu":
+        return torch.device("cpu")
+    handle = torch.get_device_module(mesh.device_type)
+    return torch.device(mesh.device_type, handle.current_device())

@@ -1,0 +1,171 @@
+"""FSDPParam: one parameter, sharded on dim 0 of the data-parallel axis.
+
+[Note: the padded layout]
+A parameter of ``dim0`` rows is cut like ``torch.chunk(param, world_size)``:
+every rank owns ``chunk_rows = ceil(dim0 / world_size)`` rows except the tail,
+which may own fewer or none. The sharded DTensor holds exactly those rows, with
+no padding, so ``full_tensor()`` returns the original bit for bit. Padding lives
+only in communication buffers: in the all-gather buffer and in the
+reduce-scatter buffer every rank's slot for this parameter is
+``chunk_rows * row_numel`` elements, whatever it really owns.
+"""
+
+import math
+from typing import NamedTuple
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, Shard
+
+from .common import MeshInfo, chunk_rows, local_rows
+
+
+class ModuleSlot(NamedTuple):
+    """One place the parameter is registered: ``module._parameters[name]``."""
+
+    module: nn.Module
+    name: str
+
+
+def _contiguous_strides(size: torch.Size) -> tuple[int, ...]:
+    strides, running = [], 1
+    for dim in reversed(size):
+        strides.append(running)
+        running *= dim
+    return tuple(reversed(strides))
+
+
+class FSDPParam:
+    """Owns a parameter's sharded DTensor and its unsharded storage.
+
+    ``sharded_param`` is what the optimizer and ``state_dict`` see.
+    ``unsharded_param`` is what the module computes with between unshard and
+    reshard: a view of ``unsharded_padded`` whose storage is freed on reshard
+    and reallocated on unshard, so the object (and autograd's references to it)
+    stays the same across iterations.
+    """
+
+    def __init__(
+        self,
+        param: nn.Parameter,
+        fqn: str,
+        slots: list[ModuleSlot],
+        mesh_info: MeshInfo,
+        device: torch.device,
+    ) -> None:
+        self.fqn = fqn
+        self.slots = slots
+        self.mesh_info = mesh_info
+        self.device = device
+        self.orig_size = param.size()
+        self.dtype = param.dtype
+        self.requires_grad = param.requires_grad
+        world_size, rank = mesh_info.shard_world_size, mesh_info.shard_rank
+        self.row_numel = math.prod(self.orig_size[1:])
+        self.chunk_rows = chunk_rows(param.size(0), world_size)
+        # Elements of one rank's slot in the communication buffers (padded).
+        self.padded_shard_numel = self.chunk_rows * self.row_numel
+        rows = local_rows(param.size(0), world_size, rank)
+        start = min(rank * self.chunk_rows, param.size(0))
+        with torch.no_grad():
+            # Clone: the full tensor is not kept alive by its shard.
+            local = param.detach().narrow(0, start, rows).to(device).clone()
+        self.sharded_param = nn.Parameter(
+            DTensor.from_local(
+                local,
+                mesh_info.mesh,
+                [Shard(0)],
+                run_check=False,
+                shape=self.orig_size,
+                stride=_contiguous_strides(self.orig_size),
+            ),
+            requires_grad=param.requires_grad,
+        )
+        self.local_numel = local.numel()
+        self.local_shape = local.shape
+        self._unsharded_padded: torch.Tensor | None = None
+        self.unsharded_param: nn.Parameter | None = None
+        self._set_on_modules(self.sharded_param)
+
+    # -- all-gather -------------------------------------------------------
+
+    @property
+    def all_gather_input(self) -> torch.Tensor:
+        """This rank's shard as a flat tensor (unpadded), read by the copy-in."""
+        return self.sharded_param.to_local().view(-1)
+
+    def alloc_unsharded(self) -> torch.Tensor:
+        """Returns the (world_size, padded_shard_numel) destination of the copy-out.
+
+        Writes through it do not bump ``unsharded_param``'s version counter:
+        the parameter was built from ``.data``, which has a counter of its own.
+        That is what lets backward reuse activations saved in forward after a
+        reshard and a fresh all-gather refilled the same storage.
+        """
+        world_size = self.mesh_info.shard_world_size
+        padded_size = (world_size * self.chunk_rows, *self.orig_size[1:])
+        if self._unsharded_padded is None:
+            self._unsharded_padded = torch.empty(padded_size, dtype=self.dtype, device=self.device)
+            self.unsharded_param = nn.Parameter(
+                self._unsharded_padded[: self.orig_size[0]].data,
+                requires_grad=self.requires_grad,
+            )
+        else:
+            storage = self._unsharded_padded.untyped_storage()
+            nbytes = self._unsharded_padded.numel() * self._unsharded_padded.element_size()
+            if storage.size() != nbytes:
+                storage.resize_(nbytes)
+        return self._unsharded_padded.view(world_size, self.padded_shard_numel)
+
+    def free_unsharded(self) -> None:
+        if self._unsharded_padded is not None:
+            self._unsharded_padded.untyped_storage().resize_(0)
+
+    @property
+    def unsharded_storage_bytes(self) -> int:
+        """Bytes currently held by the unsharded parameter (0 when resharded)."""
+        if self._unsharded_padded is None:
+            return 0
+        return self._unsharded_padded.untyped_storage().size()
+
+    # -- module registration ----------------------------------------------
+
+    def to_sharded(self) -> None:
+        self._set_on_modules(self.sharded_param)
+
+    def to_unsharded(self) -> None:
+        self._set_on_modules(self.unsharded_param)
+
+    def _set_on_modules(self, param: nn.Parameter | None) -> None:
+        # Assign through ``_parameters`` directly: ``setattr`` would re-run
+        # nn.Module's checks every unshard and reshard of every step.
+        for slot in self.slots:
+            slot.module._parameters[slot.name] = param
+
+    # -- gradients --------------------------------------------------------
+
+    def take_unsharded_grad(self) -> torch.Tensor | None:
+        """Detaches the gradient autograd accumulated on the unsharded parameter."""
+        if self.unsharded_param is None:
+            return None
+        grad = self.unsharded_param.grad
+        self.unsharded_param.grad = None
+        return grad
+
+    def accumulate_sharded_grad(self, local_grad: torch.Tensor) -> None:
+        """Adds this rank's reduced rows (unpadded, shaped like the local shard)."""
+        new_grad = DTensor.from_local(
+            local_grad,
+            self.mesh_info.mesh,
+            [Shard(0)],
+            run_check=False,
+            shape=self.orig_size,
+            stride=_contiguous_strides(self.orig_size),
+        )
+        if self.sharded_param.grad is None:
+            self.sharded_param.grad = new_grad
+        else:
+            self.sharded_param.grad += new_grad
+
+    def __repr__(self) -> str:
+        return f"FSDPParam({self.fqn}, size={tuple(self.orig_size)})"

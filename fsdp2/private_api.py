@@ -1,0 +1,48 @@
+"""Every private torch API that fsdp2 relies on, in one place.
+
+Each wrapper says why no public API does the job. When torch grows a public
+equivalent, only this file changes.
+"""
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch.autograd import Variable
+
+
+def queue_backward_callback(callback: Callable[[], None]) -> None:
+    """Runs ``callback`` once the autograd engine finishes the current backward.
+
+    Why private: the autograd engine has no public "end of backward" hook. A
+    hook on the loss or on parameters cannot tell when *every* gradient of the
+    pass has been produced, and the final callback is where outstanding
+    reduce-scatters are waited for and groups whose post-backward never ran are
+    finished.
+    """
+    Variable._execution_engine.queue_callback(callback)
+
+
+def tree_flatten(tree: Any) -> tuple[list[Any], Any]:
+    """Flattens nested args/kwargs/outputs into leaves and a spec.
+
+    Why private: ``torch.utils._pytree`` is what torch's own modules use to walk
+    arbitrary (dataclass, namedtuple, dict) containers; there is no public one.
+    """
+    return pytree.tree_flatten(tree)
+
+
+def tree_unflatten(leaves: list[Any], spec: Any) -> Any:
+    return pytree.tree_unflatten(leaves, spec)
+
+
+def chunk_cat_(tensors: list[torch.Tensor], num_chunks: int, out: torch.Tensor) -> None:
+    """Writes ``tensors``, each padded on dim 0 and split into ``num_chunks``
+    equal chunks, into ``out`` of shape ``(num_chunks, sum of padded chunk numels)``.
+
+    Why private: this is the reduce-scatter copy-in (chunk k of every gradient
+    goes to rank k's block) as one fused kernel; the public alternative is two
+    copies per gradient (full chunks, then the short last chunk).
+    """
+    torch._chunk_cat(tensors, dim=0, num_chunks=num_chunks, out=out)

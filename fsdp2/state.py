@@ -1,0 +1,188 @@
+"""FSDPState: the hooks of one ``fully_shard`` call, and the root's shared context.
+
+Every sharded module gets an ``FSDPState`` holding its param group (if it
+owns parameters) and four hooks:
+
+- forward pre-hook: the first state to run forward in an iteration is the
+  *forward root*; on the very first forward it becomes the *root* and
+  lazily initialises everything below it. Then: unshard, register
+  ``PostBackward`` on the inputs, start explicit forward prefetches.
+- forward post-hook: reshard (or keep unsharded), register pre-backward
+  hooks on the output tensors.
+- pre-backward (a tensor hook on each output): queue the final callback once
+  per backward, unshard, prefetch the next group of backward.
+- final callback (queued on the autograd engine): finish groups whose
+  post-backward never ran, wait for the last reduce-scatter, reset.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from .collectives import ReduceScatterInFlight, finish_reduce_scatter
+from .comm import CommContext
+from .common import MeshInfo, TrainingState
+from .param_group import FSDPParamGroup
+from .private_api import queue_backward_callback, tree_flatten, tree_unflatten
+
+
+class RootContext:
+    """What every state and group under one root shares. Each state starts with
+    a context of its own; the root's replaces them at lazy init."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.comm = CommContext(device)
+        self.states: list[FSDPState] = []  # pre-order from the root
+        self.post_forward_order: list[FSDPParamGroup] = []  # this iteration's, for prefetch
+        self.reduce_scatter_in_flight: ReduceScatterInFlight | None = None
+        self.forward_root: FSDPState | None = None  # the state whose forward is running outermost
+        self.final_callback_queued = False
+
+    def finish_reduce_scatter(self) -> None:
+        if self.reduce_scatter_in_flight is not None:
+            finish_reduce_scatter(self.reduce_scatter_in_flight)
+            self.reduce_scatter_in_flight = None
+
+    def queue_final_callback(self) -> None:
+        """Once per backward: run :meth:`_final_callback` when the engine is done."""
+        if not self.final_callback_queued:
+            self.final_callback_queued = True
+            queue_backward_callback(self._final_callback)
+
+    def _final_callback(self) -> None:
+        with torch.profiler.record_function("fsdp2::final_callback"):
+            # Reverse pre-order approximates backward order for the stragglers.
+            for state in reversed(self.states):
+                group = state.param_group
+                if group is not None and group.needs_post_backward:
+                    group.post_backward()
+            self.finish_reduce_scatter()
+            for state in self.states:
+                if state.param_group is not None:
+                    state.param_group.finalize_backward()
+            self.post_forward_order.clear()
+            self.final_callback_queued = False
+
+
+def get_fsdp_state(module: nn.Module) -> FSDPState | None:
+    return module.__dict__.get("_fsdp_state")
+
+
+class FSDPState:
+    def __init__(
+        self,
+        module: nn.Module,
+        mesh_info: MeshInfo,
+        device: torch.device,
+        reshard_after_forward: bool | None,
+    ) -> None:
+        self.module = module
+        self.mesh_info = mesh_info
+        self.device = device
+        # None: resharding after forward is decided at lazy init (off for the root).
+        self.reshard_after_forward_arg = reshard_after_forward
+        self.ctx = RootContext(device)
+        self.param_group: FSDPParamGroup | None = None
+        self.is_root: bool | None = None  # decided at lazy init
+        self.forward_prefetch: list[FSDPState] = []
+        self.backward_prefetch: list[FSDPState] = []
+        module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
+        module.register_forward_hook(self._post_forward, prepend=False)
+
+    # -- lazy init --------------------------------------------------------
+
+    def lazy_init(self) -> None:
+        """Makes this state the root of every state below it (first forward only)."""
+        if self.is_root is not None:
+            return
+        self.is_root = True
+        ctx = self.ctx
+        for name, module in self.module.named_modules():
+            state = get_fsdp_state(module)
+            if state is None:
+                continue
+            if state is not self:
+                if state.is_root is not None:
+                    raise RuntimeError(
+                        f"fully_shard: {name!r} already ran forward as its own root before "
+                        f"{type(self.module).__name__} did. Run the first forward through the "
+                        "outermost sharded module (the root), not a submodule."
+                    )
+                state.is_root = False
+            ctx.states.append(state)
+            state.ctx = ctx
+            group = state.param_group
+            if group is None:
+                continue
+            group.ctx = ctx
+            group.fqn = name
+            for fsdp_param in group.fsdp_params:
+                fsdp_param.fqn = f"{name}.{fsdp_param.fqn}" if name else fsdp_param.fqn
+        if self.param_group is not None and self.reshard_after_forward_arg is None:
+            # The root's parameters are needed again first thing in backward.
+            self.param_group.reshard_after_forward = False
+
+    # -- forward ----------------------------------------------------------
+
+    def _pre_forward(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        self.lazy_init()
+        if self.ctx.forward_root is None:
+            self.ctx.forward_root = self
+            if self.device.type != "cpu":
+                args, kwargs = _to_device((args, kwargs), self.device)
+        group = self.param_group
+        if group is None:
+            return args, kwargs
+        prefetch = group.training_state is not TrainingState.PRE_BACKWARD
+        args, kwargs = group.pre_forward(args, kwargs)
+        if prefetch:
+            for target in self.forward_prefetch:
+                if target.param_group is not None:
+                    target.param_group.unshard()
+        return args, kwargs
+
+    def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
+        group = self.param_group
+        in_backward = group is not None and group.training_state is TrainingState.PRE_BACKWARD
+        if group is not None:
+            group.post_forward()
+        if torch.is_grad_enabled() and not in_backward:
+            _register_tensor_hooks(output, self._pre_backward)
+        if self.ctx.forward_root is self:
+            self.ctx.forward_root = None
+        return output
+
+    # -- backward ---------------------------------------------------------
+
+    def _pre_backward(self, grad: torch.Tensor) -> None:
+        self.ctx.queue_final_callback()
+        group = self.param_group
+        if group is None:
+            return
+        explicit = bool(self.backward_prefetch)
+        if group.pre_backward(prefetch_previous=not explicit) and explicit:
+            for target in self.backward_prefetch:
+                if target.param_group is not None:
+                    target.param_group.unshard()
+
+
+def _register_tensor_hooks(output: Any, hook) -> None:
+    leaves, _ = tree_flatten(output)
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+            leaf.register_hook(hook)
+
+
+def _to_device(tree: Any, device: torch.device) -> Any:
+    leaves, spec = tree_flatten(tree)
+    leaves = [
+        leaf.to(device, non_blocking=True) if isinstance(leaf, torch.Tensor) else leaf
+        for leaf in leaves
+    ]
+    return tree_unflatten(leaves, spec)

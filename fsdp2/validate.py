@@ -1,0 +1,88 @@
+"""Argument checks for ``fully_shard``: user mistakes fail here, before any state changes."""
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
+
+
+def check_module(module: nn.Module) -> None:
+    if not isinstance(module, nn.Module):
+        raise TypeError(
+            f"fully_shard expects an nn.Module, got {type(module).__name__}. "
+            "Pass the module whose parameters should form one communication group."
+        )
+    if type(module).forward is nn.Module.forward:
+        raise ValueError(
+            f"fully_shard does not support {type(module).__name__}: it has no forward, so "
+            "its hooks would never run. Call fully_shard on each child instead "
+            "(e.g. `for block in model.layers: fully_shard(block)`) and then on the parent."
+        )
+    if "_fsdp_state" in module.__dict__:
+        raise ValueError(
+            f"{type(module).__name__} is already sharded by fully_shard. Call fully_shard "
+            "once per module, bottom-up (children first, then the root)."
+        )
+
+
+def resolve_mesh(mesh: DeviceMesh | None) -> DeviceMesh:
+    if mesh is None:
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "fully_shard(mesh=None) builds a mesh over the default process group, but "
+                "torch.distributed is not initialised. Call "
+                "torch.distributed.init_process_group() first, or pass mesh=..."
+            )
+        accelerator = torch.accelerator.current_accelerator()
+        device_type = accelerator.type if accelerator is not None else "cpu"
+        return init_device_mesh(device_type, (dist.get_world_size(),))
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(
+            f"fully_shard expects mesh to be a DeviceMesh, got {type(mesh).__name__}. Build "
+            "one with torch.distributed.device_mesh.init_device_mesh(device_type, (world_size,))."
+        )
+    if mesh.ndim != 1:
+        raise ValueError(
+            f"fully_shard supports 1D meshes, got a {mesh.ndim}D mesh with shape "
+            f"{tuple(mesh.shape)}. Pass the data-parallel sub-mesh, e.g. mesh['dp']."
+        )
+    return mesh
+
+
+def check_reshard_after_forward(value: object) -> None:
+    if value is not None and not isinstance(value, bool):
+        raise TypeError(
+            f"reshard_after_forward must be True, False or None, got {value!r}. "
+            "None reshards every group but the root's."
+        )
+
+
+def check_params(named_params: list[tuple[str, nn.Parameter]], device: torch.device) -> None:
+    for fqn, param in named_params:
+        if isinstance(param, DTensor):
+            raise ValueError(
+                f"fully_shard: parameter {fqn!r} is already a DTensor (placements "
+                f"{param.placements}). Parameters of a module that fully_shard has not seen "
+                "must be plain tensors."
+            )
+        if param.dim() == 0:
+            raise ValueError(
+                f"fully_shard does not support scalar parameters: {fqn!r} is 0-dimensional. "
+                "Make it a 1D tensor with one element (e.g. nn.Parameter(torch.ones(1)))."
+            )
+        if param.is_meta:
+            raise ValueError(
+                f"fully_shard: parameter {fqn!r} is on the meta device; meta-device "
+                "initialisation is not supported yet. Materialise the module first."
+            )
+        if param.device.type not in ("cpu", device.type) or (
+            param.device.type == device.type
+            and param.device.index is not None
+            and device.index is not None
+            and param.device != device
+        ):
+            raise ValueError(
+                f"fully_shard: parameter {fqn!r} is on {param.device}, but the mesh's device "
+                f"is {device}. Move the module to {device} (or to CPU) before sharding."
+            )
