@@ -96,7 +96,10 @@ def reduce_scatter(
     reduce_scatter_input = torch.empty(
         (world_size, shard_numel), dtype=grad.dtype, device=grad.device
     )
-    chunk_cat_(unsharded_grads, world_size, out=reduce_scatter_input)
+    # Empty gradients have empty slots; the fused copy rejects them.
+    nonempty = [g for g in unsharded_grads if g.numel() > 0]
+    if nonempty:
+        chunk_cat_(nonempty, world_size, out=reduce_scatter_input)
     reduce_scatter_output = torch.empty(shard_numel, dtype=grad.dtype, device=grad.device)
     in_flight = comm.issue(
         "reduce_scatter",

@@ -13,8 +13,8 @@ from .param_group import FSDPParamGroup
 from .state import FSDPState, get_fsdp_state
 from .validate import check_module, check_params, check_reshard_after_forward, resolve_mesh
 
-# Generated FSDP<Name> classes, one per original class, so that isinstance
-# checks and pickling see one class however many modules are sharded.
+# Generated FSDP<Name> classes, one per original class, so that type checks
+# see one class however many modules of that class are sharded.
 _FSDP_CLASSES: dict[type, type] = {}
 
 
@@ -107,15 +107,20 @@ def _module_slots(
 
 def _check_no_param_shared_with_nested_group(module: nn.Module) -> None:
     """A parameter owned by a nested group must not also be registered outside it:
-    that outside module would compute with the sharded DTensor."""
+    that module would compute with the sharded DTensor (tied after sharding) or
+    shard a second copy (tied before sharding, so it still holds the original)."""
     nested = _nested_states(module)
     inside_nested = {id(m) for state in nested for m in state.module.modules()}
-    owner_of = {
-        id(fsdp_param.sharded_param): f"{type(state.module).__name__}.{fsdp_param.fqn}"
-        for state in nested
-        if state.param_group is not None
-        for fsdp_param in state.param_group.fsdp_params
-    }
+    paths = {id(m): name for name, m in module.named_modules()}
+    owner_of = {}
+    for state in nested:
+        if state.param_group is None:
+            continue
+        for fsdp_param in state.param_group.fsdp_params:
+            owner = f"{paths[id(state.module)]}.{fsdp_param.fqn}"
+            owner_of[id(fsdp_param.sharded_param)] = owner
+            if (orig := fsdp_param.orig_param_ref()) is not None:
+                owner_of[id(orig)] = owner
     for module_name, submodule in module.named_modules():
         if id(submodule) in inside_nested:
             continue

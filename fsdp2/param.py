@@ -11,6 +11,7 @@ reduce-scatter buffer every rank's slot for this parameter is
 """
 
 import math
+import weakref
 from typing import NamedTuple
 
 import torch
@@ -55,6 +56,9 @@ class FSDPParam:
     ) -> None:
         self.fqn = fqn
         self.slots = slots
+        # The parameter before sharding, only to recognise it if it was tied to
+        # a module outside this group (see fully_shard.py).
+        self.orig_param_ref = weakref.ref(param)
         self.mesh_info = mesh_info
         self.device = device
         self.orig_size = param.size()
