@@ -22,7 +22,7 @@ from .private_api import chunk_cat_
 
 
 class AllGatherInFlight(NamedTuple):
-    all_gather_output: torch.Tensor  # 1D, W * shard_numel
+    all_gather_output: torch.Tensor  # 1D, world_size * sum(slot_numels)
     in_flight: InFlight
 
 
@@ -33,29 +33,25 @@ class ReduceScatterInFlight(NamedTuple):
     in_flight: InFlight
 
 
-def _copy_in_split_sizes(fsdp_params: list[FSDPParam]) -> list[int]:
-    """Alternating [local, padding] sizes that split one rank's block."""
-    sizes = []
-    for fsdp_param in fsdp_params:
-        sizes += [fsdp_param.local_numel, fsdp_param.padded_shard_numel - fsdp_param.local_numel]
-    return sizes
-
-
 @torch.no_grad()
 def all_gather(
-    fsdp_params: list[FSDPParam],
+    inputs: list[torch.Tensor],
+    slot_numels: list[int],
+    dtype: torch.dtype,
     group: dist.ProcessGroup,
     rank: int,
     world_size: int,
     comm: CommContext,
 ) -> AllGatherInFlight:
-    """Copies this rank's shards into one flat buffer and starts the all-gather."""
-    shard_numel = sum(p.padded_shard_numel for p in fsdp_params)
-    dtype, device = fsdp_params[0].dtype, fsdp_params[0].device
-    all_gather_output = torch.empty(world_size * shard_numel, dtype=dtype, device=device)
+    """Copies ``inputs`` (flat, each at most its slot long) into this rank's
+    block of one flat buffer, casting to ``dtype``, and starts the all-gather."""
+    shard_numel = sum(slot_numels)
+    all_gather_output = torch.empty(world_size * shard_numel, dtype=dtype, device=comm.device)
     all_gather_input = all_gather_output.narrow(0, rank * shard_numel, shard_numel)
-    dsts = all_gather_input.split(_copy_in_split_sizes(fsdp_params))[::2]
-    torch._foreach_copy_(dsts, [p.all_gather_input for p in fsdp_params])
+    split_sizes = []  # alternating [data, padding]: the padding slots are never read
+    for x, slot_numel in zip(inputs, slot_numels, strict=True):
+        split_sizes += [x.numel(), slot_numel - x.numel()]
+    torch._foreach_copy_(all_gather_input.split(split_sizes)[::2], inputs)
     in_flight = comm.issue(
         "all_gather",
         lambda async_op: dist.all_gather_single(
@@ -66,15 +62,16 @@ def all_gather(
 
 
 @torch.no_grad()
-def copy_out(result: AllGatherInFlight, fsdp_params: list[FSDPParam], world_size: int) -> None:
-    """Waits for the all-gather and scatters it into each unsharded parameter."""
+def copy_out(result: AllGatherInFlight, outputs: list[torch.Tensor]) -> None:
+    """Waits for the all-gather and scatters it into ``outputs``, each
+    ``(world_size, slot_numel)``: rank k's slot goes to row k."""
     result.in_flight.wait()
-    dsts = [p.alloc_unsharded() for p in fsdp_params]  # each (W, padded_shard_numel)
+    world_size = outputs[0].size(0)
     torch.split_with_sizes_copy(
         result.all_gather_output.view(world_size, -1),
-        [p.padded_shard_numel for p in fsdp_params],
+        [out.size(1) for out in outputs],
         dim=1,
-        out=dsts,
+        out=outputs,
     )
 
 
@@ -100,6 +97,9 @@ def reduce_scatter(
     nonempty = [g for g in unsharded_grads if g.numel() > 0]
     if nonempty:
         chunk_cat_(nonempty, world_size, out=reduce_scatter_input)
+    if grad.dtype.itemsize < 4:
+        # bf16/fp16: average before the sum so that it cannot overflow.
+        reduce_scatter_input.div_(world_size)
     reduce_scatter_output = torch.empty(shard_numel, dtype=grad.dtype, device=grad.device)
     in_flight = comm.issue(
         "reduce_scatter",
@@ -121,7 +121,8 @@ def finish_reduce_scatter(result: ReduceScatterInFlight) -> None:
     """Waits, averages over ranks as DDP does, and accumulates the sharded grads."""
     result.in_flight.wait()
     output = result.reduce_scatter_output
-    output.div_(result.reduce_scatter_input.size(0))  # world size
+    if output.dtype.itemsize >= 4:
+        output.div_(result.reduce_scatter_input.size(0))  # world size
     slots = output.split([p.padded_shard_numel for p in result.fsdp_params])
     for fsdp_param, slot in zip(result.fsdp_params, slots, strict=True):
         local_grad = slot[: fsdp_param.local_numel].view(fsdp_param.local_shape)

@@ -19,9 +19,15 @@ class TrainingState(Enum):
 
 
 class ShardedState(Enum):
-    """What the owning modules hold: sharded DTensors or unsharded views."""
+    """What the owning modules hold: sharded DTensors or unsharded views.
+
+    SHARDED_POST_FORWARD: resharded after forward over a smaller group
+    (``reshard_after_forward=<int>``); the modules hold the sharded DTensors and
+    the group keeps a bigger shard so backward all-gathers only inside that group.
+    """
 
     SHARDED = auto()
+    SHARDED_POST_FORWARD = auto()
     UNSHARDED = auto()
 
 
@@ -36,8 +42,7 @@ class MeshInfo:
     shard_rank: int
 
     @classmethod
-    def from_mesh(cls, mesh: DeviceMesh) -> "MeshInfo":
-        shard_axis = 0
+    def from_mesh(cls, mesh: DeviceMesh, shard_axis: int = 0) -> "MeshInfo":
         return cls(
             mesh=mesh,
             shard_axis=shard_axis,
@@ -63,3 +68,11 @@ def device_from_mesh(mesh: DeviceMesh) -> torch.device:
         return torch.device("cpu")
     handle = torch.get_device_module(mesh.device_type)
     return torch.device(mesh.device_type, handle.current_device())
+
+
+def post_forward_mesh_info(mesh: DeviceMesh, group_size: int) -> MeshInfo:
+    """The groups of ``group_size`` consecutive ranks of ``mesh``, for resharding
+    after forward to a smaller world (every rank builds every group)."""
+    ranks = mesh.mesh.view(-1, group_size)
+    small_mesh = DeviceMesh(mesh.device_type, ranks, mesh_dim_names=("replica", "post_forward"))
+    return MeshInfo.from_mesh(small_mesh, shard_axis=1)

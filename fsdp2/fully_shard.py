@@ -7,11 +7,19 @@ from typing import Any
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from .common import MeshInfo, device_from_mesh
+from .common import MeshInfo, device_from_mesh, post_forward_mesh_info
 from .param import FSDPParam, ModuleSlot
 from .param_group import FSDPParamGroup
+from .policy import MixedPrecisionPolicy, OffloadPolicy
 from .state import FSDPState, get_fsdp_state
-from .validate import check_module, check_params, check_reshard_after_forward, resolve_mesh
+from .state_dict import register_load_state_dict_hook
+from .validate import (
+    check_module,
+    check_params,
+    check_policies,
+    check_reshard_after_forward,
+    resolve_mesh,
+)
 
 # Generated FSDP<Name> classes, one per original class, so that type checks
 # see one class however many modules of that class are sharded.
@@ -22,7 +30,10 @@ def fully_shard(
     module: nn.Module,
     *,
     mesh: DeviceMesh | None = None,
-    reshard_after_forward: bool | None = None,
+    reshard_after_forward: bool | int | None = None,
+    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),  # noqa: B008 (frozen)
+    ignored_params: set[nn.Parameter] | None = None,
+    offload_policy: OffloadPolicy = OffloadPolicy(),  # noqa: B008 (frozen)
 ) -> FSDPModule:
     """Shards ``module``'s parameters over ``mesh`` and communicates them as one group.
 
@@ -40,26 +51,38 @@ def fully_shard(
             world on the current accelerator, or CPU)
         reshard_after_forward: free the unsharded parameters after forward and
             all-gather them again in backward (True), or keep them until
-            backward ends (False). (Default: None, which is True for every
-            group but the root's)
+            backward ends (False). An int N (a divisor of the mesh size) keeps
+            a shard over groups of N consecutive ranks, so that backward's
+            all-gather stays inside them (e.g. inside a node). (Default: None,
+            which is True for every group but the root's)
+        mp_policy: compute, communication and output dtypes; see
+            ``MixedPrecisionPolicy``. (Default: no mixed precision)
+        ignored_params: parameters to leave alone: not sharded, not
+            all-gathered, not reduced. (Default: None)
+        offload_policy: ``CPUOffloadPolicy()`` keeps sharded parameters,
+            gradients and optimizer state on the CPU. (Default: no offload)
 
     Returns:
         The same module, now an ``FSDPModule``.
     """
     check_module(module)
     mesh = resolve_mesh(mesh)
-    check_reshard_after_forward(reshard_after_forward)
-    device = device_from_mesh(mesh)
+    check_policies(mp_policy, offload_policy)
     mesh_info = MeshInfo.from_mesh(mesh)
-
-    named_params = _unowned_params(module)
-    check_params(named_params, device)
+    reshard_after_forward, post_forward_mesh_info = _resolve_reshard_after_forward(
+        reshard_after_forward, mesh_info
+    )
+    device = device_from_mesh(mesh)
+    ignored = set(ignored_params or ())
+    named_params = [(fqn, p) for fqn, p in _unowned_params(module) if p not in ignored]
+    check_params(named_params, device, mp_policy)
     _check_no_param_shared_with_nested_group(module)
-    state = FSDPState(module, mesh_info, device, reshard_after_forward)
+
+    state = FSDPState(module, mesh_info, device, reshard_after_forward, mp_policy)
     if named_params:
         slots = _module_slots(module, named_params)
         fsdp_params = [
-            FSDPParam(param, fqn, slots[id(param)], mesh_info, device)
+            FSDPParam(param, fqn, slots[id(param)], mesh_info, device, mp_policy, offload_policy)
             for fqn, param in named_params
         ]
         state.param_group = FSDPParamGroup(
@@ -68,10 +91,26 @@ def fully_shard(
             mesh_info,
             state.ctx,
             reshard_after_forward=reshard_after_forward is not False,
+            post_forward_mesh_info=post_forward_mesh_info,
         )
+        register_load_state_dict_hook(module, fsdp_params)
     module.__dict__["_fsdp_state"] = state
     _swap_class(module)
     return module  # type: ignore[return-value]
+
+
+def _resolve_reshard_after_forward(
+    value: bool | int | None, mesh_info: MeshInfo
+) -> tuple[bool | None, MeshInfo | None]:
+    """Maps the argument to (bool or None, the small group's MeshInfo for an int)."""
+    check_reshard_after_forward(value, mesh_info.shard_world_size)
+    if value is None or isinstance(value, bool):
+        return value, None
+    if value == 1:
+        return False, None  # each rank would keep everything: that is not resharding
+    if value == mesh_info.shard_world_size:
+        return True, None
+    return True, post_forward_mesh_info(mesh_info.mesh, value)
 
 
 def _nested_states(module: nn.Module) -> list[FSDPState]:
@@ -195,12 +234,57 @@ class FSDPModule:
             reshard_after_forward: the new policy.
             recurse: apply to every sharded submodule too. (Default: True)
         """
-        check_reshard_after_forward(reshard_after_forward)
+        if not isinstance(reshard_after_forward, bool):
+            raise TypeError(
+                f"set_reshard_after_forward takes a bool, got {reshard_after_forward!r}; "
+                "resharding to a smaller group is chosen in fully_shard(reshard_after_forward=N)."
+            )
         for module in self._fsdp_modules(recurse):
             state = module._fsdp_state
             state.reshard_after_forward_arg = reshard_after_forward
-            if state.param_group is not None:
-                state.param_group.reshard_after_forward = reshard_after_forward
+            if (group := state.param_group) is not None:
+                group.reshard_after_forward = reshard_after_forward
+                if not reshard_after_forward:
+                    group.post_forward_mesh_info = None
+
+    def set_reshard_after_backward(
+        self, reshard_after_backward: bool, *, recurse: bool = True
+    ) -> None:
+        """Sets whether to free the unsharded parameters after backward. Off, the
+        next forward needs no all-gather (e.g. between micro-batches); call
+        ``reshard()`` when done.
+
+        Args:
+            reshard_after_backward: the new policy.
+            recurse: apply to every sharded submodule too. (Default: True)
+        """
+        for group in self._param_groups(recurse):
+            group.reshard_after_backward = reshard_after_backward
+
+    def set_requires_gradient_sync(
+        self, requires_gradient_sync: bool, *, recurse: bool = True
+    ) -> None:
+        """Turns gradient reduction on or off (gradient accumulation).
+
+        Off, backward adds each unsharded gradient to a local sum (in
+        ``reduce_dtype``) with no communication; the next backward with sync on
+        reduce-scatters the sum. This trades memory (an unsharded gradient per
+        parameter kept between micro-batches) for communication (one
+        reduce-scatter per step instead of one per micro-batch); leaving sync
+        on and accumulating sharded gradients is the other way round.
+
+        Args:
+            requires_gradient_sync: whether the next backwards reduce gradients.
+            recurse: apply to every sharded submodule too. (Default: True)
+        """
+        for group in self._param_groups(recurse):
+            group.requires_gradient_sync = requires_gradient_sync
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """Whether the next backward is the last before the optimizer step. If
+        not, its last reduce-scatter is left in flight at the end of backward
+        (finished by the next backward's), overlapping the next forward."""
+        self._fsdp_state.ctx.is_last_backward = is_last_backward
 
     def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
         """All-gathers ``modules`` as soon as this module's forward starts, instead
@@ -211,6 +295,10 @@ class FSDPModule:
         """All-gathers ``modules`` as soon as this module's backward starts,
         replacing the default (the module that ran just before it in forward)."""
         self._fsdp_state.backward_prefetch = [_state_of(m, "backward") for m in modules]
+
+    def _param_groups(self, recurse: bool) -> list[FSDPParamGroup]:
+        groups = (m._fsdp_state.param_group for m in self._fsdp_modules(recurse))
+        return [g for g in groups if g is not None]
 
     def _fsdp_modules(self, recurse: bool) -> list[FSDPModule]:
         if not recurse:
@@ -232,3 +320,23 @@ def _state_of(module: Any, direction: str) -> FSDPState:
             f"{type(module).__name__}."
         )
     return module._fsdp_state
+
+
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """Makes ``module.<method_name>`` unshard and reshard like ``forward``, for
+    methods called instead of forward (e.g. ``generate``). No-op if ``module``
+    is not sharded.
+    """
+    if not isinstance(module, FSDPModule):
+        return
+    if not hasattr(module, method_name):
+        raise ValueError(f"{type(module).__name__} has no method {method_name!r}")
+    method = getattr(module, method_name)
+    state = module._fsdp_state
+
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        args, kwargs = state._pre_forward(module, args, kwargs)
+        output = method(*args, **kwargs)
+        return state._post_forward(module, args, output)
+
+    setattr(module, method_name, wrapped)

@@ -19,6 +19,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard
 
 from .common import MeshInfo, chunk_rows, local_rows
+from .policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 
 class ModuleSlot(NamedTuple):
@@ -53,8 +54,10 @@ class FSDPParam:
         slots: list[ModuleSlot],
         mesh_info: MeshInfo,
         device: torch.device,
+        mp_policy: MixedPrecisionPolicy,
+        offload_policy: OffloadPolicy,
     ) -> None:
-        self.fqn = fqn
+        self.fqn = fqn  # from the root after lazy init; from the sharded module before
         self.slots = slots
         # The parameter before sharding, only to recognise it if it was tied to
         # a module outside this group (see fully_shard.py).
@@ -62,7 +65,11 @@ class FSDPParam:
         self.mesh_info = mesh_info
         self.device = device
         self.orig_size = param.size()
-        self.dtype = param.dtype
+        self.orig_dtype = param.dtype
+        # Dtype of the all-gather and of the unsharded parameter.
+        self.param_dtype = mp_policy.param_dtype or param.dtype
+        # Dtype of the reduce-scatter and of gradients accumulated without sync.
+        self.reduce_dtype = mp_policy.reduce_dtype or self.param_dtype
         self.requires_grad = param.requires_grad
         world_size, rank = mesh_info.shard_world_size, mesh_info.shard_rank
         self.row_numel = math.prod(self.orig_size[1:])
@@ -71,25 +78,42 @@ class FSDPParam:
         self.padded_shard_numel = self.chunk_rows * self.row_numel
         rows = local_rows(param.size(0), world_size, rank)
         start = min(rank * self.chunk_rows, param.size(0))
+        # Where the shard lives: the compute device, or the CPU when offloading.
+        self.offload = isinstance(offload_policy, CPUOffloadPolicy)
+        self.shard_device = torch.device("cpu") if self.offload else device
         with torch.no_grad():
-            # Clone: the full tensor is not kept alive by its shard.
-            local = param.detach().narrow(0, start, rows).to(device).clone()
+            local = param.detach().narrow(0, start, rows)
+            # Meta parameters stay on meta until ``module.to_empty(device=...)``.
+            # Clone: the full tensor must not be kept alive by its shard.
+            local = (local if param.is_meta else local.to(self.shard_device)).clone()
+            if self.offload and offload_policy.pin_memory and device.type != "cpu":
+                local = local.pin_memory()
+        self._local_start = start
         self.sharded_param = nn.Parameter(
-            DTensor.from_local(
-                local,
-                mesh_info.mesh,
-                [Shard(0)],
-                run_check=False,
-                shape=self.orig_size,
-                stride=_contiguous_strides(self.orig_size),
-            ),
-            requires_grad=param.requires_grad,
+            self._as_dtensor(local), requires_grad=param.requires_grad
         )
         self.local_numel = local.numel()
         self.local_shape = local.shape
         self._unsharded_padded: torch.Tensor | None = None
         self.unsharded_param: nn.Parameter | None = None
+        # Sum of unsharded gradients of backwards run without gradient sync.
+        self.unsynced_grad: torch.Tensor | None = None
         self._set_on_modules(self.sharded_param)
+
+    def shard_like(self, full: torch.Tensor) -> DTensor:
+        """This rank's shard of ``full`` (shaped like the parameter) as a DTensor."""
+        local = full.detach().narrow(0, self._local_start, self.local_shape[0])
+        return self._as_dtensor(local.to(self.sharded_param.device))
+
+    def _as_dtensor(self, local: torch.Tensor) -> DTensor:
+        return DTensor.from_local(
+            local,
+            self.mesh_info.mesh,
+            [Shard(0)],
+            run_check=False,
+            shape=self.orig_size,
+            stride=_contiguous_strides(self.orig_size),
+        )
 
     # -- all-gather -------------------------------------------------------
 
@@ -109,7 +133,9 @@ class FSDPParam:
         world_size = self.mesh_info.shard_world_size
         padded_size = (world_size * self.chunk_rows, *self.orig_size[1:])
         if self._unsharded_padded is None:
-            self._unsharded_padded = torch.empty(padded_size, dtype=self.dtype, device=self.device)
+            self._unsharded_padded = torch.empty(
+                padded_size, dtype=self.param_dtype, device=self.device
+            )
             self.unsharded_param = nn.Parameter(
                 self._unsharded_padded[: self.orig_size[0]].data,
                 requires_grad=self.requires_grad,
@@ -149,23 +175,25 @@ class FSDPParam:
     # -- gradients --------------------------------------------------------
 
     def take_unsharded_grad(self) -> torch.Tensor | None:
-        """Detaches the gradient autograd accumulated on the unsharded parameter."""
-        if self.unsharded_param is None:
-            return None
-        grad = self.unsharded_param.grad
-        self.unsharded_param.grad = None
+        """Detaches the gradient of this backward (plus any unsynced ones) from
+        the unsharded parameter, in ``reduce_dtype``."""
+        grad = None if self.unsharded_param is None else self.unsharded_param.grad
+        if grad is not None:
+            self.unsharded_param.grad = None
+            grad = grad.to(self.reduce_dtype)
+        if self.unsynced_grad is not None:
+            grad = self.unsynced_grad if grad is None else grad.add_(self.unsynced_grad)
+            self.unsynced_grad = None
         return grad
+
+    def keep_unsynced_grad(self) -> None:
+        """Gradient accumulation without sync: adds this backward's unsharded
+        gradient to ``unsynced_grad`` instead of reduce-scattering it."""
+        self.unsynced_grad = self.take_unsharded_grad()
 
     def accumulate_sharded_grad(self, local_grad: torch.Tensor) -> None:
         """Adds this rank's reduced rows (unpadded, shaped like the local shard)."""
-        new_grad = DTensor.from_local(
-            local_grad,
-            self.mesh_info.mesh,
-            [Shard(0)],
-            run_check=False,
-            shape=self.orig_size,
-            stride=_contiguous_strides(self.orig_size),
-        )
+        new_grad = self._as_dtensor(local_grad.to(self.shard_device, self.orig_dtype))
         if self.sharded_param.grad is None:
             self.sharded_param.grad = new_grad
         else:

@@ -1,9 +1,11 @@
 """FSDPParamGroup: the parameters of one ``fully_shard`` call, communicated together.
 
-A group moves between two sharded states with one collective each way:
+A group moves between sharded states with one collective each way:
 
     SHARDED --unshard()--> (all-gather in flight) --wait_for_unshard()--> UNSHARDED
     UNSHARDED --reshard()--> SHARDED
+    UNSHARDED --post_forward, reshard_after_forward=<int>--> SHARDED_POST_FORWARD
+    SHARDED_POST_FORWARD --unshard() (all-gather in the small group)--> ... UNSHARDED
 
 and through four training states per iteration, driven by the hooks in
 state.py:
@@ -39,12 +41,21 @@ class FSDPParamGroup:
         mesh_info: MeshInfo,
         ctx: RootContext,
         reshard_after_forward: bool,
+        post_forward_mesh_info: MeshInfo | None,
     ) -> None:
         self.fsdp_params = fsdp_params
         self.module = module
         self.mesh_info = mesh_info
         self.ctx = ctx  # replaced by the root's context at lazy init
         self.reshard_after_forward = reshard_after_forward
+        # Set: after forward, keep a shard over this smaller group instead.
+        self.post_forward_mesh_info = post_forward_mesh_info
+        self.reshard_after_backward = True
+        self.requires_gradient_sync = True
+        self.param_dtype = fsdp_params[0].param_dtype
+        # SHARDED_POST_FORWARD: this rank's block of every parameter over the
+        # small group, flat (post-forward slot of each parameter, in order).
+        self._post_forward_shard: torch.Tensor | None = None
         self.fqn = ""  # module path from the root, set at lazy init
         self.training_state = TrainingState.IDLE
         self.sharded_state = ShardedState.SHARDED
@@ -65,10 +76,19 @@ class FSDPParamGroup:
         """Starts the all-gather, unless it is in flight or the group is unsharded."""
         if self._all_gather is not None or self.sharded_state is ShardedState.UNSHARDED:
             return
-        info = self.mesh_info
+        if self.sharded_state is ShardedState.SHARDED_POST_FORWARD:
+            info = self.post_forward_mesh_info
+            inputs = [self._post_forward_shard]
+            slot_numels = [self._post_forward_shard.numel()]
+        else:
+            info = self.mesh_info
+            inputs = [p.all_gather_input for p in self.fsdp_params]
+            slot_numels = [p.padded_shard_numel for p in self.fsdp_params]
         with torch.profiler.record_function(f"fsdp2::all_gather ({self.fqn})"):
             self._all_gather = all_gather(
-                self.fsdp_params,
+                inputs,
+                slot_numels,
+                self.param_dtype,
                 info.shard_group,
                 info.shard_rank,
                 info.shard_world_size,
@@ -81,26 +101,45 @@ class FSDPParamGroup:
             if self.sharded_state is not ShardedState.UNSHARDED:
                 raise self._fail("wait_for_unshard() without an all-gather in flight")
             return
+        world_size = self._unshard_world_size()
         with torch.profiler.record_function(f"fsdp2::all_gather_copy_out ({self.fqn})"):
-            copy_out(self._all_gather, self.fsdp_params, self.mesh_info.shard_world_size)
+            outputs = [p.alloc_unsharded().view(world_size, -1) for p in self.fsdp_params]
+            copy_out(self._all_gather, outputs)
         self._all_gather = None
+        self._post_forward_shard = None
         for fsdp_param in self.fsdp_params:
             fsdp_param.to_unsharded()
         self.sharded_state = ShardedState.UNSHARDED
 
+    def _unshard_world_size(self) -> int:
+        if self.sharded_state is ShardedState.SHARDED_POST_FORWARD:
+            return self.post_forward_mesh_info.shard_world_size
+        return self.mesh_info.shard_world_size
+
     def reshard(self) -> None:
         """Puts the sharded parameters back on the modules and frees the unsharded storage."""
-        if self._all_gather is not None:
-            # Prefetched but never used (e.g. the module did not run): finish the
-            # collective every rank issued, then drop its buffer.
-            self._all_gather.in_flight.wait()
-            self._all_gather = None
-        if self.sharded_state is ShardedState.SHARDED:
-            return
+        self.cancel_unshard()
+        self._post_forward_shard = None
+        if self.sharded_state is ShardedState.UNSHARDED:
+            self._to_sharded()
+        self.sharded_state = ShardedState.SHARDED
+
+    def _reshard_post_forward(self) -> None:
+        """Keeps this rank's block of the small group (copied out of the unsharded
+        parameters), then frees them."""
+        info = self.post_forward_mesh_info
+        blocks = [
+            p.alloc_unsharded().view(info.shard_world_size, -1)[info.shard_rank]
+            for p in self.fsdp_params
+        ]
+        self._post_forward_shard = torch.cat(blocks)
+        self._to_sharded()
+        self.sharded_state = ShardedState.SHARDED_POST_FORWARD
+
+    def _to_sharded(self) -> None:
         for fsdp_param in self.fsdp_params:
             fsdp_param.to_sharded()
             fsdp_param.free_unsharded()
-        self.sharded_state = ShardedState.SHARDED
 
     # -- forward ----------------------------------------------------------
 
@@ -123,8 +162,12 @@ class FSDPParamGroup:
         if torch.is_grad_enabled():
             self._post_forward_indices.append(len(self.ctx.post_forward_order))
             self.ctx.post_forward_order.append(self)
-        if self.reshard_after_forward or not torch.is_grad_enabled():
+        if not torch.is_grad_enabled():
             # No backward follows a forward without grad: nothing to keep unsharded for.
+            self.reshard()
+        elif self.post_forward_mesh_info is not None:
+            self._reshard_post_forward()
+        elif self.reshard_after_forward:
             self.reshard()
         self.training_state = TrainingState.IDLE
 
@@ -166,16 +209,24 @@ class FSDPParamGroup:
                 target.unshard()
 
     def post_backward(self) -> None:
-        """Reduce-scatters the gradients of this backward and reshards."""
+        """Reduce-scatters the gradients of this backward (or keeps them, without
+        gradient sync) and reshards."""
         self.training_state = TrainingState.POST_BACKWARD
         with torch.profiler.record_function(f"fsdp2::post_backward ({self.fqn})"):
+            if not self.requires_gradient_sync:
+                for fsdp_param in self.fsdp_params:
+                    fsdp_param.keep_unsynced_grad()
+                if self.reshard_after_backward:
+                    self.reshard()
+                return
             reduced, grads = [], []
             for fsdp_param in self.fsdp_params:
                 grad = fsdp_param.take_unsharded_grad()
                 if grad is not None:
                     reduced.append(fsdp_param)
                     grads.append(grad)
-            self.reshard()
+            if self.reshard_after_backward:
+                self.reshard()
             # At most one reduce-scatter in flight: its input buffer is the size
             # of a whole group's gradients.
             self.ctx.finish_reduce_scatter()
@@ -188,14 +239,21 @@ class FSDPParamGroup:
 
     @property
     def needs_post_backward(self) -> bool:
-        """Whether the final callback must finish this group: it was unsharded or
-        prepared for backward, but no PostBackward node ran (its inputs did not
-        require grad, or its outputs were unused), or a prefetch went unused."""
-        return (
-            self.training_state is TrainingState.PRE_BACKWARD
-            or self.sharded_state is ShardedState.UNSHARDED
-            or self.all_gather_in_flight
+        """Whether the final callback must run post-backward for this group: it
+        was prepared for backward or holds parameters from forward, but no
+        PostBackward node ran (its inputs did not require grad, or its outputs
+        were unused)."""
+        return self.training_state is TrainingState.PRE_BACKWARD or (
+            self.training_state is not TrainingState.POST_BACKWARD
+            and self.sharded_state is not ShardedState.SHARDED
         )
+
+    def cancel_unshard(self) -> None:
+        """Drops an all-gather that was started but will not be used (a prefetch
+        whose module did not run): every rank issued it, so it is waited for."""
+        if self._all_gather is not None:
+            self._all_gather.in_flight.wait()
+            self._all_gather = None
 
     def finalize_backward(self) -> None:
         self._post_forward_indices.clear()

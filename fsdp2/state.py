@@ -26,6 +26,7 @@ from .collectives import ReduceScatterInFlight, finish_reduce_scatter
 from .comm import CommContext
 from .common import MeshInfo, TrainingState
 from .param_group import FSDPParamGroup
+from .policy import MixedPrecisionPolicy
 from .private_api import queue_backward_callback, tree_flatten, tree_unflatten
 
 
@@ -41,6 +42,9 @@ class RootContext:
         self.reduce_scatter_in_flight: ReduceScatterInFlight | None = None
         self.forward_root: FSDPState | None = None  # the state whose forward is running outermost
         self.final_callback_queued = False
+        # False: the end of this backward leaves its last reduce-scatter in flight
+        # (set_is_last_backward, for micro-batch and pipeline schedules).
+        self.is_last_backward = True
 
     def finish_reduce_scatter(self) -> None:
         if self.reduce_scatter_in_flight is not None:
@@ -58,9 +62,13 @@ class RootContext:
             # Reverse pre-order approximates backward order for the stragglers.
             for state in reversed(self.states):
                 group = state.param_group
-                if group is not None and group.needs_post_backward:
+                if group is None:
+                    continue
+                if group.needs_post_backward:
                     group.post_backward()
-            self.finish_reduce_scatter()
+                group.cancel_unshard()
+            if self.is_last_backward:
+                self.finish_reduce_scatter()
             for state in self.states:
                 if state.param_group is not None:
                     state.param_group.finalize_backward()
@@ -78,11 +86,13 @@ class FSDPState:
         module: nn.Module,
         mesh_info: MeshInfo,
         device: torch.device,
-        reshard_after_forward: bool | None,
+        reshard_after_forward: bool | int | None,
+        mp_policy: MixedPrecisionPolicy,
     ) -> None:
         self.module = module
         self.mesh_info = mesh_info
         self.device = device
+        self.mp_policy = mp_policy
         # None: resharding after forward is decided at lazy init (off for the root).
         self.reshard_after_forward_arg = reshard_after_forward
         self.ctx = RootContext(device)
@@ -135,7 +145,11 @@ class FSDPState:
         if self.ctx.forward_root is None:
             self.ctx.forward_root = self
             if self.device.type != "cpu":
-                args, kwargs = _to_device((args, kwargs), self.device)
+                args, kwargs = _map_tensors(
+                    (args, kwargs), lambda t: t.to(self.device, non_blocking=True)
+                )
+        if (dtype := self.mp_policy.param_dtype) is not None and self.mp_policy.cast_forward_inputs:
+            args, kwargs = _map_tensors((args, kwargs), _float_caster(dtype))
         group = self.param_group
         if group is None:
             return args, kwargs
@@ -156,6 +170,8 @@ class FSDPState:
             _register_tensor_hooks(output, self._pre_backward)
         if self.ctx.forward_root is self:
             self.ctx.forward_root = None
+        if (dtype := self.mp_policy.output_dtype) is not None:
+            output = _map_tensors(output, _float_caster(dtype))
         return output
 
     # -- backward ---------------------------------------------------------
@@ -179,10 +195,14 @@ def _register_tensor_hooks(output: Any, hook) -> None:
             leaf.register_hook(hook)
 
 
-def _to_device(tree: Any, device: torch.device) -> Any:
+def _map_tensors(tree: Any, fn) -> Any:
     leaves, spec = tree_flatten(tree)
-    leaves = [
-        leaf.to(device, non_blocking=True) if isinstance(leaf, torch.Tensor) else leaf
-        for leaf in leaves
-    ]
+    leaves = [fn(leaf) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
     return tree_unflatten(leaves, spec)
+
+
+def _float_caster(dtype: torch.dtype):
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        return t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t
+
+    return cast

@@ -6,6 +6,8 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
+from .policy import MixedPrecisionPolicy, OffloadPolicy
+
 
 def check_module(module: nn.Module) -> None:
     if not isinstance(module, nn.Module):
@@ -50,15 +52,48 @@ def resolve_mesh(mesh: DeviceMesh | None) -> DeviceMesh:
     return mesh
 
 
-def check_reshard_after_forward(value: object) -> None:
-    if value is not None and not isinstance(value, bool):
+def check_reshard_after_forward(value: object, world_size: int) -> None:
+    if value is None or isinstance(value, bool):
+        return
+    if not isinstance(value, int):
         raise TypeError(
-            f"reshard_after_forward must be True, False or None, got {value!r}. "
+            f"reshard_after_forward must be True, False, None or an int, got {value!r}. "
             "None reshards every group but the root's."
+        )
+    if value < 1 or world_size % value:
+        raise ValueError(
+            f"reshard_after_forward={value} must divide the mesh size {world_size}: it is "
+            "the size of the rank groups that keep a shard after forward (e.g. the ranks of "
+            "one node)."
         )
 
 
-def check_params(named_params: list[tuple[str, nn.Parameter]], device: torch.device) -> None:
+def check_policies(mp_policy: object, offload_policy: object) -> None:
+    if not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(
+            f"mp_policy must be an fsdp2.MixedPrecisionPolicy, got {type(mp_policy).__name__}."
+        )
+    if not isinstance(offload_policy, OffloadPolicy):
+        raise TypeError(
+            "offload_policy must be fsdp2.OffloadPolicy() or fsdp2.CPUOffloadPolicy(), got "
+            f"{type(offload_policy).__name__}."
+        )
+
+
+def check_params(
+    named_params: list[tuple[str, nn.Parameter]],
+    device: torch.device,
+    mp_policy: MixedPrecisionPolicy,
+) -> None:
+    gather_dtypes = {mp_policy.param_dtype or p.dtype for _, p in named_params}
+    if len(gather_dtypes) > 1:
+        by_dtype = {mp_policy.param_dtype or p.dtype: fqn for fqn, p in named_params}
+        raise ValueError(
+            "fully_shard all-gathers a group in one dtype, but these parameters differ: "
+            + ", ".join(f"{fqn!r} is {dtype}" for dtype, fqn in by_dtype.items())
+            + ". Shard them in separate fully_shard calls, or set "
+            "MixedPrecisionPolicy(param_dtype=...)."
+        )
     for fqn, param in named_params:
         if isinstance(param, DTensor):
             raise ValueError(
@@ -71,12 +106,7 @@ def check_params(named_params: list[tuple[str, nn.Parameter]], device: torch.dev
                 f"fully_shard does not support scalar parameters: {fqn!r} is 0-dimensional. "
                 "Make it a 1D tensor with one element (e.g. nn.Parameter(torch.ones(1)))."
             )
-        if param.is_meta:
-            raise ValueError(
-                f"fully_shard: parameter {fqn!r} is on the meta device; meta-device "
-                "initialisation is not supported yet. Materialise the module first."
-            )
-        if param.device.type not in ("cpu", device.type) or (
+        if param.device.type not in ("cpu", "meta", device.type) or (
             param.device.type == device.type
             and param.device.index is not None
             and device.index is not None

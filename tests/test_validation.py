@@ -143,15 +143,27 @@ def test_2d_mesh_raises_and_its_1d_submesh_works(mesh: DeviceMesh) -> None:
     assert torch.equal(model.up.weight.to_local(), torch.chunk(orig, 4)[0])
 
 
-@pytest.mark.parametrize("value", [2, "yes", 1, 0.0], ids=repr)
-def test_reshard_after_forward_not_bool_raises(mesh: DeviceMesh, value: object) -> None:
+@pytest.mark.parametrize("value", ["yes", 0.0, 2.0], ids=repr)
+def test_reshard_after_forward_wrong_type_raises(mesh: DeviceMesh, value: object) -> None:
     model = MLP()
-    with pytest.raises(TypeError, match=r"reshard_after_forward must be True, False or None"):
+    with pytest.raises(
+        TypeError, match=r"reshard_after_forward must be True, False, None or an int"
+    ):
         fully_shard(model, mesh=mesh, reshard_after_forward=value)  # type: ignore[arg-type]
     assert_untouched(model, MLP)
 
 
-@pytest.mark.parametrize("value", [True, False, None])
+@pytest.mark.parametrize("value", [0, 3, 16, -2], ids=repr)
+def test_reshard_after_forward_int_not_divisor_raises(mesh: DeviceMesh, value: int) -> None:
+    model = MLP()
+    with pytest.raises(
+        ValueError, match=rf"reshard_after_forward={value} must divide the mesh size 8"
+    ):
+        fully_shard(model, mesh=mesh, reshard_after_forward=value)
+    assert_untouched(model, MLP)
+
+
+@pytest.mark.parametrize("value", [True, False, None, 1, 8])
 def test_reshard_after_forward_accepts_bool_or_none(mesh: DeviceMesh, value: bool | None) -> None:
     assert isinstance(fully_shard(MLP(), mesh=mesh, reshard_after_forward=value), FSDPModule)
 
@@ -192,11 +204,14 @@ def test_top_down_order_raises_on_the_child(mesh: DeviceMesh) -> None:
     assert_untouched(model[0], MLP)
 
 
-def test_meta_parameter_raises(mesh: DeviceMesh) -> None:
-    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4, device="meta"))
-    with pytest.raises(ValueError, match=r"parameter '1\.weight' is on the meta device"):
-        fully_shard(model, mesh=mesh)
-    assert_untouched(model, nn.Sequential)
+def test_meta_parameters_stay_on_meta_until_to_empty(mesh: DeviceMesh) -> None:
+    with torch.device("meta"):
+        model = MLP()
+    fully_shard(model, mesh=mesh)
+    assert all(p.to_local().is_meta and p.shape == (12, 16) for p in (model.up.weight,))
+    model.to_empty(device="cpu")
+    assert all(isinstance(p, DTensor) and p.device.type == "cpu" for p in model.parameters())
+    assert model.up.weight.to_local().shape == torch.chunk(torch.empty(12, 16), 8)[0].shape
 
 
 def test_param_tied_across_groups_after_sharding_raises(mesh: DeviceMesh) -> None:

@@ -1,0 +1,37 @@
+"""Loading full (unsharded) tensors into sharded parameters.
+
+``model.state_dict()`` needs nothing: the modules hold the sharded DTensor
+parameters, so it returns ``Shard(0)`` DTensors, and ``load_state_dict`` of
+DTensors copies shard to shard. A *full* tensor (e.g. from a single-device
+checkpoint) is cut to this rank's shard by a load pre-hook. A tensor whose
+shape differs is left as it is, so that ``load_state_dict`` reports the key
+and both shapes.
+"""
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from .param import FSDPParam
+
+
+def register_load_state_dict_hook(module: nn.Module, fsdp_params: list[FSDPParam]) -> None:
+    paths = {id(m): path for path, m in module.named_modules(remove_duplicate=False)}
+    by_key = {
+        (f"{paths[id(slot.module)]}.{slot.name}" if paths[id(slot.module)] else slot.name): p
+        for p in fsdp_params
+        for slot in p.slots
+        if id(slot.module) in paths
+    }
+
+    def shard_full_tensors(_module, state_dict, prefix, *_args) -> None:
+        for key, fsdp_param in by_key.items():
+            value = state_dict.get(prefix + key)
+            if (
+                isinstance(value, torch.Tensor)
+                and not isinstance(value, DTensor)
+                and value.shape == fsdp_param.orig_size
+            ):
+                state_dict[prefix + key] = fsdp_param.shard_like(value)
+
+    module.register_load_state_dict_pre_hook(shard_full_tensors)
