@@ -42,6 +42,7 @@ def all_gather(
     rank: int,
     world_size: int,
     comm: CommContext,
+    group_fqn: str = "",
 ) -> AllGatherInFlight:
     """Copies ``inputs`` (flat, each at most its slot long) into this rank's
     block of one flat buffer, casting to ``dtype``, and starts the all-gather."""
@@ -54,6 +55,8 @@ def all_gather(
     torch._foreach_copy_(all_gather_input.split(split_sizes)[::2], inputs)
     in_flight = comm.issue(
         "all_gather",
+        group_fqn,
+        all_gather_output.numel() * all_gather_output.element_size(),
         lambda async_op: dist.all_gather_single(
             all_gather_output, all_gather_input, group=group, async_op=async_op
         ),
@@ -82,6 +85,7 @@ def reduce_scatter(
     group: dist.ProcessGroup,
     world_size: int,
     comm: CommContext,
+    group_fqn: str = "",
 ) -> ReduceScatterInFlight:
     """Packs the gradients rank-major and starts the (summing) reduce-scatter.
 
@@ -103,6 +107,8 @@ def reduce_scatter(
     reduce_scatter_output = torch.empty(shard_numel, dtype=grad.dtype, device=grad.device)
     in_flight = comm.issue(
         "reduce_scatter",
+        group_fqn,
+        reduce_scatter_input.numel() * reduce_scatter_input.element_size(),
         lambda async_op: dist.reduce_scatter_single(
             reduce_scatter_output,
             reduce_scatter_input.view(-1),

@@ -20,11 +20,14 @@ which the current stream is ordered after the collective: freeing them then is
 safe, so no ``record_stream`` is needed.
 """
 
+import time
 from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
+
+from .stats import CollectiveStats, CommStats
 
 
 class InFlight(NamedTuple):
@@ -32,12 +35,31 @@ class InFlight(NamedTuple):
 
     work: dist.Work | None  # CPU: gloo's async work handle
     event: torch.Event | None  # accelerator: recorded on the comm stream after the collective
+    label: str  # e.g. "all-gather of 'layers.3'", for errors
+    stats: CollectiveStats | None  # where to record the wait, when recording
+
+    def is_completed(self) -> bool:
+        if self.work is not None:
+            return self.work.is_completed()
+        return self.event is None or self.event.query()
 
     def wait(self) -> None:
+        start = time.perf_counter() if self.stats is not None else 0.0
+        ready = self.stats is not None and self.is_completed()
         if self.work is not None:
-            self.work.wait()
+            try:
+                self.work.wait()
+            except RuntimeError as error:
+                # Name the collective: gloo's own message only says which socket failed.
+                raise RuntimeError(
+                    f"fsdp2: the {self.label} failed or timed out: {error}. A peer rank may "
+                    "have died, raised, or run a different sequence of collectives."
+                ) from error
         if self.event is not None:
             torch.accelerator.current_stream(self.event.device).wait_event(self.event)
+        if self.stats is not None:
+            self.stats.wait_seconds += time.perf_counter() - start
+            self.stats.ready_when_waited += ready
 
 
 class CommContext:
@@ -47,6 +69,7 @@ class CommContext:
         self.device = device
         self.uses_streams = device.type != "cpu"
         self._streams: dict[str, torch.Stream] = {}
+        self.stats: CommStats | None = None  # set while ``comm_stats`` is open
 
     def _stream(self, name: str) -> torch.Stream:
         if name not in self._streams:
@@ -54,14 +77,28 @@ class CommContext:
             self._streams[name] = torch.Stream(device=self.device, priority=-1)
         return self._streams[name]
 
-    def issue(self, stream_name: str, collective: Callable[[bool], dist.Work | None]) -> InFlight:
-        """Runs ``collective(async_op)`` on the comm stream ``stream_name`` ("all_gather"
-        or "reduce_scatter") on accelerators, or asynchronously on CPU."""
-        if not self.uses_streams:
-            return InFlight(work=collective(True), event=None)
-        stream = self._stream(stream_name)
-        stream.wait_stream(torch.accelerator.current_stream(self.device))
-        with stream:
-            collective(False)
-            event = stream.record_event()
-        return InFlight(work=None, event=event)
+    def issue(
+        self,
+        kind: str,
+        group_fqn: str,
+        nbytes: int,
+        collective: Callable[[bool], dist.Work | None],
+    ) -> InFlight:
+        """Runs ``collective(async_op)``: on the comm stream of ``kind``
+        ("all_gather" or "reduce_scatter") on accelerators, asynchronously on CPU.
+        ``nbytes`` (of the full buffer) is for the statistics."""
+        label = f"{kind.replace('_', '-')} of {group_fqn!r}"
+        stats = None
+        if self.stats is not None:
+            stats = self.stats.record(group_fqn, kind)
+            stats.count += 1
+            stats.bytes += nbytes
+        with torch.profiler.record_function(f"fsdp2::{kind} ({group_fqn})"):
+            if not self.uses_streams:
+                return InFlight(collective(True), None, label, stats)
+            stream = self._stream(kind)
+            stream.wait_stream(torch.accelerator.current_stream(self.device))
+            with stream:
+                collective(False)
+                event = stream.record_event()
+        return InFlight(None, event, label, stats)

@@ -84,16 +84,16 @@ class FSDPParamGroup:
             info = self.mesh_info
             inputs = [p.all_gather_input for p in self.fsdp_params]
             slot_numels = [p.padded_shard_numel for p in self.fsdp_params]
-        with torch.profiler.record_function(f"fsdp2::all_gather ({self.fqn})"):
-            self._all_gather = all_gather(
-                inputs,
-                slot_numels,
-                self.param_dtype,
-                info.shard_group,
-                info.shard_rank,
-                info.shard_world_size,
-                self.ctx.comm,
-            )
+        self._all_gather = all_gather(
+            inputs,
+            slot_numels,
+            self.param_dtype,
+            info.shard_group,
+            info.shard_rank,
+            info.shard_world_size,
+            self.ctx.comm,
+            self.fqn,
+        )
 
     def wait_for_unshard(self) -> None:
         """Finishes the all-gather and puts the unsharded parameters on the modules."""
@@ -232,10 +232,14 @@ class FSDPParamGroup:
             self.ctx.finish_reduce_scatter()
             if grads:
                 info = self.mesh_info
-                with torch.profiler.record_function(f"fsdp2::reduce_scatter ({self.fqn})"):
-                    self.ctx.reduce_scatter_in_flight = reduce_scatter(
-                        reduced, grads, info.shard_group, info.shard_world_size, self.ctx.comm
-                    )
+                self.ctx.reduce_scatter_in_flight = reduce_scatter(
+                    reduced,
+                    grads,
+                    info.shard_group,
+                    info.shard_world_size,
+                    self.ctx.comm,
+                    self.fqn,
+                )
 
     @property
     def needs_post_backward(self) -> bool:

@@ -74,6 +74,8 @@ class RootContext:
                     state.param_group.finalize_backward()
             self.post_forward_order.clear()
             self.final_callback_queued = False
+            if self.comm.stats is not None:
+                self.comm.stats.end_step()
 
 
 def get_fsdp_state(module: nn.Module) -> FSDPState | None:

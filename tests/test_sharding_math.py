@@ -80,9 +80,11 @@ class SyncComm:
 
     device = CPU
 
-    def issue(self, stream_name: str, collective: Callable[[bool], object]) -> InFlight:
+    def issue(
+        self, kind: str, group_fqn: str, nbytes: int, collective: Callable[[bool], object]
+    ) -> InFlight:
         collective(False)
-        return InFlight(work=None, event=None)
+        return InFlight(work=None, event=None, label=kind, stats=None)
 
 
 @contextmanager
