@@ -5,13 +5,19 @@ The public API mirrors ``torch.distributed.fsdp.fully_shard``.
 
 from .fully_shard import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
 from .policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from .stats import CommStats, comm_stats
+from .summary import GroupSummary, summary
 
 __all__ = [
     "CPUOffloadPolicy",
+    "CommStats",
     "FSDPModule",
+    "GroupSummary",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "UnshardHandle",
+    "comm_stats",
     "fully_shard",
     "register_fsdp_forward_method",
+    "summary",
 ]

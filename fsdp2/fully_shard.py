@@ -286,6 +286,22 @@ class FSDPModule:
         (finished by the next backward's), overlapping the next forward."""
         self._fsdp_state.ctx.is_last_backward = is_last_backward
 
+    def reset_iter_state(self) -> None:
+        """Recovers from an exception raised in the middle of forward or backward:
+        waits for in-flight collectives, reshards every group under this root,
+        discards the interrupted iteration's gradients and returns every state to
+        idle, so the next iteration starts clean. Call it on the root, on every
+        rank."""
+        self._fsdp_state.ctx.reset()
+
+    def set_check_execution_order(self, enabled: bool = True) -> None:
+        """Checks on the first iteration that all ranks communicate the same
+        groups in the same order, raising on every rank if not; later iterations
+        warn once if a rank deviates from its first. Call it on the root, on every
+        rank (``TORCH_DISTRIBUTED_DEBUG=DETAIL`` turns it on too). See
+        [Note: why order matters] in order.py."""
+        self._fsdp_state.ctx.enable_order_check(enabled)
+
     def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
         """All-gathers ``modules`` as soon as this module's forward starts, instead
         of when each one's own forward starts."""

@@ -19,6 +19,7 @@ See docs/design.md for the whole picture.
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -31,6 +32,8 @@ from .private_api import tree_flatten, tree_unflatten
 
 if TYPE_CHECKING:
     from .state import RootContext
+
+logger = logging.getLogger("fsdp2")
 
 
 class FSDPParamGroup:
@@ -84,6 +87,9 @@ class FSDPParamGroup:
             info = self.mesh_info
             inputs = [p.all_gather_input for p in self.fsdp_params]
             slot_numels = [p.padded_shard_numel for p in self.fsdp_params]
+        if (check := self.ctx.order_check) is not None:
+            check.before_collective("all-gather", self, info.shard_group, sum(slot_numels))
+        logger.debug("%s: all-gather issued (%s)", self.fqn, self.sharded_state.name)
         self._all_gather = all_gather(
             inputs,
             slot_numels,
@@ -109,6 +115,7 @@ class FSDPParamGroup:
         self._post_forward_shard = None
         for fsdp_param in self.fsdp_params:
             fsdp_param.to_unsharded()
+        logger.debug("%s: unsharded", self.fqn)
         self.sharded_state = ShardedState.UNSHARDED
 
     def _unshard_world_size(self) -> int:
@@ -122,6 +129,7 @@ class FSDPParamGroup:
         self._post_forward_shard = None
         if self.sharded_state is ShardedState.UNSHARDED:
             self._to_sharded()
+            logger.debug("%s: resharded", self.fqn)
         self.sharded_state = ShardedState.SHARDED
 
     def _reshard_post_forward(self) -> None:
@@ -232,6 +240,10 @@ class FSDPParamGroup:
             self.ctx.finish_reduce_scatter()
             if grads:
                 info = self.mesh_info
+                if (check := self.ctx.order_check) is not None:
+                    numel = sum(p.padded_shard_numel for p in reduced) * info.shard_world_size
+                    check.before_collective("reduce-scatter", self, info.shard_group, numel)
+                logger.debug("%s: reduce-scatter issued for %d grads", self.fqn, len(grads))
                 self.ctx.reduce_scatter_in_flight = reduce_scatter(
                     reduced,
                     grads,
@@ -258,6 +270,21 @@ class FSDPParamGroup:
         if self._all_gather is not None:
             self._all_gather.in_flight.wait()
             self._all_gather = None
+
+    def reset(self) -> None:
+        """After an exception: drop in-flight and partial work, reshard, go idle.
+        Gradients of the interrupted iteration are discarded, sharded ones included."""
+        try:
+            self.cancel_unshard()
+        except RuntimeError:
+            self._all_gather = None
+            logger.warning("fsdp2: %s: dropping a failed all-gather while resetting", self.fqn)
+        self.reshard()
+        for fsdp_param in self.fsdp_params:
+            fsdp_param.take_unsharded_grad()
+            fsdp_param.sharded_param.grad = None
+        self._post_forward_indices.clear()
+        self.training_state = TrainingState.IDLE
 
     def finalize_backward(self) -> None:
         self._post_forward_indices.clear()

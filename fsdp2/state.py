@@ -17,6 +17,8 @@ owns parameters) and four hooks:
 
 from __future__ import annotations
 
+import logging
+import os
 from typing import Any
 
 import torch
@@ -25,9 +27,12 @@ import torch.nn as nn
 from .collectives import ReduceScatterInFlight, finish_reduce_scatter
 from .comm import CommContext
 from .common import MeshInfo, TrainingState
+from .order import ExecutionOrderCheck
 from .param_group import FSDPParamGroup
 from .policy import MixedPrecisionPolicy
 from .private_api import queue_backward_callback, tree_flatten, tree_unflatten
+
+logger = logging.getLogger("fsdp2")
 
 
 class RootContext:
@@ -45,6 +50,35 @@ class RootContext:
         # False: the end of this backward leaves its last reduce-scatter in flight
         # (set_is_last_backward, for micro-batch and pipeline schedules).
         self.is_last_backward = True
+        self.check_execution_order = os.environ.get("TORCH_DISTRIBUTED_DEBUG", "") == "DETAIL"
+        self.order_check: ExecutionOrderCheck | None = None  # made at lazy init when asked for
+
+    @property
+    def groups(self) -> list[FSDPParamGroup]:
+        return [s.param_group for s in self.states if s.param_group is not None]
+
+    def enable_order_check(self, enabled: bool) -> None:
+        self.check_execution_order = enabled
+        if not self.states:
+            return  # lazy init makes it
+        self.order_check = ExecutionOrderCheck(self.groups, self.device) if enabled else None
+
+    def reset(self) -> None:
+        """Returns everything under the root to a clean, idle, sharded state after
+        an exception interrupted forward or backward."""
+        for group in self.groups:
+            group.reset()
+        if self.reduce_scatter_in_flight is not None:
+            try:
+                self.reduce_scatter_in_flight.in_flight.wait()
+            except RuntimeError:
+                logger.warning("fsdp2: dropping a failed reduce-scatter while resetting")
+            self.reduce_scatter_in_flight = None
+        self.forward_root = None
+        self.post_forward_order.clear()
+        self.final_callback_queued = False
+        if self.order_check is not None:
+            self.order_check.discard_iteration()
 
     def finish_reduce_scatter(self) -> None:
         if self.reduce_scatter_in_flight is not None:
@@ -58,6 +92,7 @@ class RootContext:
             queue_backward_callback(self._final_callback)
 
     def _final_callback(self) -> None:
+        logger.debug("final callback: finishing backward")
         with torch.profiler.record_function("fsdp2::final_callback"):
             # Reverse pre-order approximates backward order for the stragglers.
             for state in reversed(self.states):
@@ -137,6 +172,10 @@ class FSDPState:
         if self.param_group is not None and self.reshard_after_forward_arg is None:
             # The root's parameters are needed again first thing in backward.
             self.param_group.reshard_after_forward = False
+        ctx.enable_order_check(ctx.check_execution_order)
+        logger.debug(
+            "lazy init: root %s with %d groups", type(self.module).__name__, len(ctx.groups)
+        )
 
     # -- forward ----------------------------------------------------------
 
@@ -146,6 +185,8 @@ class FSDPState:
         self.lazy_init()
         if self.ctx.forward_root is None:
             self.ctx.forward_root = self
+            if self.ctx.order_check is not None and not self.ctx.final_callback_queued:
+                self.ctx.order_check.start_iteration()
             if self.device.type != "cpu":
                 args, kwargs = _map_tensors(
                     (args, kwargs), lambda t: t.to(self.device, non_blocking=True)

@@ -1,0 +1,117 @@
+"""``summary(model)``: one row per param group, to see how a model is sharded."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+import torch.nn as nn
+
+from .state import get_fsdp_state
+
+
+@dataclass(frozen=True)
+class GroupSummary:
+    module: str  # path from the model ("" for the model itself)
+    num_params: int  # parameters (tensors) in the group
+    numel: int  # elements, unsharded
+    unsharded_bytes: int  # of the all-gathered parameters, in the compute dtype
+    shard_bytes: int  # this rank's shards, in the original dtype
+    padding_bytes: int  # added to the all-gather buffer by uneven dim-0 sizes
+    placements: str
+    mesh: str
+    reshard_after_forward: str
+    param_dtype: str
+    reduce_dtype: str
+
+
+def summary(model: nn.Module, *, print_table: bool = True) -> list[GroupSummary]:
+    """Describes every param group under ``model``; works before the first step
+    and on meta-device models (it reads only shapes and dtypes).
+
+    Args:
+        model: a sharded model (or any module containing sharded modules).
+        print_table: print the rows as a table, on global rank 0 only.
+            (Default: True)
+
+    Returns:
+        One ``GroupSummary`` per group, in module order.
+    """
+    rows = []
+    for path, module in model.named_modules():
+        state = get_fsdp_state(module)
+        if state is None or state.param_group is None:
+            continue
+        group = state.param_group
+        params = group.fsdp_params
+        world_size = group.mesh_info.shard_world_size
+        itemsize = group.param_dtype.itemsize
+        gathered_numel = sum(p.padded_shard_numel for p in params) * world_size
+        numel = sum(p.orig_size.numel() for p in params)
+        rows.append(
+            GroupSummary(
+                module=path,
+                num_params=len(params),
+                numel=numel,
+                unsharded_bytes=numel * itemsize,
+                shard_bytes=sum(p.local_numel * p.orig_dtype.itemsize for p in params),
+                padding_bytes=(gathered_numel - numel) * itemsize,
+                placements=str(tuple(params[0].sharded_param.placements)),
+                mesh=f"{tuple(group.mesh_info.mesh.shape)} {group.mesh_info.mesh.device_type}",
+                reshard_after_forward=_reshard_policy(state),
+                param_dtype=str(group.param_dtype).removeprefix("torch."),
+                reduce_dtype=str(params[0].reduce_dtype).removeprefix("torch."),
+            )
+        )
+    if print_table and (not dist.is_initialized() or dist.get_rank() == 0):
+        print_summary(rows)
+    return rows
+
+
+def _reshard_policy(state) -> str:
+    group = state.param_group
+    if group.post_forward_mesh_info is not None:
+        return f"to {group.post_forward_mesh_info.shard_world_size} ranks"
+    if state.is_root is None and state.reshard_after_forward_arg is None:
+        return "auto"  # decided at lazy init: off for the root
+    return str(group.reshard_after_forward)
+
+
+def print_summary(rows: list[GroupSummary]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="fsdp2 param groups")
+    columns = ("module", "params", "numel", "unsharded", "shard (this rank)", "padding")
+    for name in (*columns, "placements", "mesh", "reshard", "compute", "reduce"):
+        table.add_column(
+            name, justify="left" if name in ("module", "placements", "mesh") else "right"
+        )
+    for r in rows:
+        table.add_row(
+            r.module or "(root)",
+            str(r.num_params),
+            f"{r.numel:,}",
+            _human(r.unsharded_bytes),
+            _human(r.shard_bytes),
+            _human(r.padding_bytes),
+            r.placements,
+            r.mesh,
+            r.reshard_after_forward,
+            r.param_dtype,
+            r.reduce_dtype,
+        )
+    totals = (sum(r.unsharded_bytes for r in rows), sum(r.shard_bytes for r in rows))
+    table.caption = f"total: {_human(totals[0])} unsharded, {_human(totals[1])} on this rank"
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=160)  # logs and pipes: do not squeeze the columns
+    console.print(table)
+
+
+def _human(nbytes: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if nbytes < 1024 or unit == "GiB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
+        nbytes /= 1024
+    return str(nbytes)
