@@ -53,6 +53,8 @@ def all_gather(
     for x, slot_numel in zip(inputs, slot_numels, strict=True):
         split_sizes += [x.numel(), slot_numel - x.numel()]
     torch._foreach_copy_(all_gather_input.split(split_sizes)[::2], inputs)
+    if world_size == 1:  # the input is the whole output: nothing to exchange
+        return AllGatherInFlight(all_gather_output, InFlight.done())
     in_flight = comm.issue(
         "all_gather",
         group_fqn,
@@ -104,6 +106,10 @@ def reduce_scatter(
     if grad.dtype.itemsize < 4:
         # bf16/fp16: average before the sum so that it cannot overflow.
         reduce_scatter_input.div_(world_size)
+    if world_size == 1:  # the input is the whole output: nothing to exchange
+        return ReduceScatterInFlight(
+            fsdp_params, reduce_scatter_input, reduce_scatter_input.view(-1), InFlight.done()
+        )
     reduce_scatter_output = torch.empty(shard_numel, dtype=grad.dtype, device=grad.device)
     in_flight = comm.issue(
         "reduce_scatter",

@@ -20,6 +20,8 @@ which the current stream is ordered after the collective: freeing them then is
 safe, so no ``record_stream`` is needed.
 """
 
+from __future__ import annotations
+
 import time
 from collections.abc import Callable
 from typing import NamedTuple
@@ -37,6 +39,11 @@ class InFlight(NamedTuple):
     event: torch.Event | None  # accelerator: recorded on the comm stream after the collective
     label: str  # e.g. "all-gather of 'layers.3'", for errors
     stats: CollectiveStats | None  # where to record the wait, when recording
+
+    @classmethod
+    def done(cls) -> InFlight:
+        """Nothing to wait for (a world of one rank exchanges nothing)."""
+        return cls(None, None, "", None)
 
     def is_completed(self) -> bool:
         if self.work is not None:

@@ -303,8 +303,9 @@ class FSDPModule:
         self._fsdp_state.ctx.enable_order_check(enabled)
 
     def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
-        """All-gathers ``modules`` as soon as this module's forward starts, instead
-        of when each one's own forward starts."""
+        """All-gathers ``modules`` as soon as this module's forward starts. This
+        replaces the default, which prefetches the module whose forward followed
+        this one's in the previous iteration; ``[]`` turns forward prefetch off."""
         self._fsdp_state.forward_prefetch = [_state_of(m, "forward") for m in modules]
 
     def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:

@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from .common import MeshInfo, chunk_rows, local_rows
 from .policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from .private_api import dtensor_from_local_no_grad, dtensor_spec
 
 
 class ModuleSlot(NamedTuple):
@@ -95,6 +96,7 @@ class FSDPParam:
         self.local_numel = local.numel()
         self.local_shape = local.shape
         self._unsharded_padded: torch.Tensor | None = None
+        self._grad_spec = None  # DTensorSpec of the sharded grad, built on first use
         self.unsharded_param: nn.Parameter | None = None
         # Sum of unsharded gradients of backwards run without gradient sync.
         self.unsynced_grad: torch.Tensor | None = None
@@ -114,6 +116,13 @@ class FSDPParam:
             shape=self.orig_size,
             stride=_contiguous_strides(self.orig_size),
         )
+
+    def _as_sharded_grad(self, local: torch.Tensor) -> DTensor:
+        if self._grad_spec is None:
+            self._grad_spec = dtensor_spec(
+                self.mesh_info.mesh, (Shard(0),), self.orig_size, self.orig_dtype
+            )
+        return dtensor_from_local_no_grad(local, self._grad_spec)
 
     # -- all-gather -------------------------------------------------------
 
@@ -193,11 +202,11 @@ class FSDPParam:
 
     def accumulate_sharded_grad(self, local_grad: torch.Tensor) -> None:
         """Adds this rank's reduced rows (unpadded, shaped like the local shard)."""
-        new_grad = self._as_dtensor(local_grad.to(self.shard_device, self.orig_dtype))
+        local_grad = local_grad.to(self.shard_device, self.orig_dtype)
         if self.sharded_param.grad is None:
-            self.sharded_param.grad = new_grad
+            self.sharded_param.grad = self._as_sharded_grad(local_grad)
         else:
-            self.sharded_param.grad += new_grad
+            self.sharded_param.grad.to_local().add_(local_grad)  # no_grad: the local tensor itself
 
     def __repr__(self) -> str:
         return f"FSDPParam({self.fqn}, size={tuple(self.orig_size)})"

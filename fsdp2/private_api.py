@@ -10,6 +10,9 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 from torch.autograd import Variable
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 
 def queue_backward_callback(callback: Callable[[], None]) -> None:
@@ -46,3 +49,22 @@ def chunk_cat_(tensors: list[torch.Tensor], num_chunks: int, out: torch.Tensor) 
     copies per gradient (full chunks, then the short last chunk).
     """
     torch._chunk_cat(tensors, dim=0, num_chunks=num_chunks, out=out)
+
+
+def dtensor_spec(
+    mesh: DeviceMesh, placements: tuple[Placement, ...], size: torch.Size, dtype: torch.dtype
+) -> DTensorSpec:
+    """The (immutable) layout description of a contiguous DTensor, built once per parameter."""
+    stride = torch.empty(size, device="meta").stride()
+    return DTensorSpec(mesh, placements, tensor_meta=TensorMeta(size, stride, dtype))
+
+
+def dtensor_from_local_no_grad(local: torch.Tensor, spec: DTensorSpec) -> DTensor:
+    """Wraps ``local`` as a DTensor with a prebuilt spec, outside autograd.
+
+    Why private: ``DTensor.from_local`` goes through an autograd Function and
+    rebuilds the spec on every call; for the gradients of every parameter of
+    every step that was a large share of the hooks' host time. The DTensor
+    constructor with a cached spec is what torch's own fully_shard uses.
+    """
+    return DTensor(local, spec, requires_grad=False)

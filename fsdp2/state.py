@@ -26,7 +26,7 @@ import torch.nn as nn
 
 from .collectives import ReduceScatterInFlight, finish_reduce_scatter
 from .comm import CommContext
-from .common import MeshInfo, TrainingState
+from .common import MeshInfo, ShardedState, TrainingState
 from .order import ExecutionOrderCheck
 from .param_group import FSDPParamGroup
 from .policy import MixedPrecisionPolicy
@@ -44,6 +44,10 @@ class RootContext:
         self.comm = CommContext(device)
         self.states: list[FSDPState] = []  # pre-order from the root
         self.post_forward_order: list[FSDPParamGroup] = []  # this iteration's, for prefetch
+        # Implicit forward prefetch: groups in the order their forward started,
+        # this iteration's, and the successor of each in the previous iteration's.
+        self.pre_forward_order: list[FSDPParamGroup] = []
+        self.next_in_forward: dict[FSDPParamGroup, FSDPParamGroup] = {}
         self.reduce_scatter_in_flight: ReduceScatterInFlight | None = None
         self.forward_root: FSDPState | None = None  # the state whose forward is running outermost
         self.final_callback_queued = False
@@ -76,6 +80,7 @@ class RootContext:
             self.reduce_scatter_in_flight = None
         self.forward_root = None
         self.post_forward_order.clear()
+        self.pre_forward_order.clear()
         self.final_callback_queued = False
         if self.order_check is not None:
             self.order_check.discard_iteration()
@@ -84,6 +89,22 @@ class RootContext:
         if self.reduce_scatter_in_flight is not None:
             finish_reduce_scatter(self.reduce_scatter_in_flight)
             self.reduce_scatter_in_flight = None
+
+    def start_forward(self) -> None:
+        """A new iteration's forward begins (the outermost forward pre-hook).
+
+        [Note: forward prefetch]
+        Forward runs the groups in the same order every iteration unless the
+        model branches on data, so the group that followed G last time is
+        all-gathered as soon as G's forward starts, overlapping its compute. A
+        wrong guess costs one all-gather, drained at the end of forward.
+        """
+        order = self.pre_forward_order
+        if order:
+            self.next_in_forward = dict(zip(order, order[1:], strict=False))
+            self.pre_forward_order = []
+        if self.order_check is not None:
+            self.order_check.start_iteration()
 
     def queue_final_callback(self) -> None:
         """Once per backward: run :meth:`_final_callback` when the engine is done."""
@@ -135,7 +156,8 @@ class FSDPState:
         self.ctx = RootContext(device)
         self.param_group: FSDPParamGroup | None = None
         self.is_root: bool | None = None  # decided at lazy init
-        self.forward_prefetch: list[FSDPState] = []
+        # None: prefetch implicitly, the group that ran next in the previous forward.
+        self.forward_prefetch: list[FSDPState] | None = None
         self.backward_prefetch: list[FSDPState] = []
         module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
         module.register_forward_hook(self._post_forward, prepend=False)
@@ -185,8 +207,8 @@ class FSDPState:
         self.lazy_init()
         if self.ctx.forward_root is None:
             self.ctx.forward_root = self
-            if self.ctx.order_check is not None and not self.ctx.final_callback_queued:
-                self.ctx.order_check.start_iteration()
+            if not self.ctx.final_callback_queued:  # not a recomputation inside backward
+                self.ctx.start_forward()
             if self.device.type != "cpu":
                 args, kwargs = _map_tensors(
                     (args, kwargs), lambda t: t.to(self.device, non_blocking=True)
@@ -196,12 +218,18 @@ class FSDPState:
         group = self.param_group
         if group is None:
             return args, kwargs
-        prefetch = group.training_state is not TrainingState.PRE_BACKWARD
+        if group.training_state is TrainingState.PRE_BACKWARD:
+            return group.pre_forward(args, kwargs)  # recomputation inside backward
         args, kwargs = group.pre_forward(args, kwargs)
-        if prefetch:
-            for target in self.forward_prefetch:
-                if target.param_group is not None:
-                    target.param_group.unshard()
+        self.ctx.pre_forward_order.append(group)
+        if self.forward_prefetch is None:
+            # Implicit: the group that ran next last iteration (see [Note: forward prefetch]).
+            if (target := self.ctx.next_in_forward.get(group)) is not None:
+                target.unshard()
+        else:
+            for state in self.forward_prefetch:
+                if state.param_group is not None:
+                    state.param_group.unshard()
         return args, kwargs
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
@@ -213,6 +241,11 @@ class FSDPState:
             _register_tensor_hooks(output, self._pre_backward)
         if self.ctx.forward_root is self:
             self.ctx.forward_root = None
+            # A forward prefetch whose module did not run this time must not be
+            # used later: the optimizer may change the shards in between.
+            for other in self.ctx.groups:
+                if other.sharded_state is not ShardedState.UNSHARDED:
+                    other.cancel_unshard()
         if (dtype := self.mp_policy.output_dtype) is not None:
             output = _map_tensors(output, _float_caster(dtype))
         return output
