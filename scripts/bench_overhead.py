@@ -39,8 +39,9 @@ def main() -> None:
         dist.init_process_group(
             "gloo", init_method=f"file://{os.path.join(tmp, 'store')}", rank=0, world_size=1
         )
-        import fsdp2
         from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+        import fsdp2
 
         mesh = init_device_mesh("cpu", (1,))
         models = {"floor": build(args.groups)}
