@@ -26,10 +26,14 @@ class AllGatherInFlight(NamedTuple):
     in_flight: InFlight
 
 
-class ReduceScatterInFlight(NamedTuple):
-    fsdp_params: list[FSDPParam]  # those whose gradients were reduced, in buffer order
-    reduce_scatter_input: torch.Tensor  # (W, shard_numel), kept alive until the wait
-    reduce_scatter_output: torch.Tensor  # 1D, shard_numel
+class ReduceInFlight(NamedTuple):
+    """A gradient reduction between two of its stages (reduce-scatter, then the
+    all-reduce across replicas for HSDP)."""
+
+    fsdp_params: list[FSDPParam]  # those whose gradients are reduced, in buffer order
+    buffers: tuple[torch.Tensor, ...]  # read or written by the collective: kept until waited
+    output: torch.Tensor  # 1D, this rank's shard_numel, in reduce dtype
+    divisor: int  # ranks the gradient is averaged over
     in_flight: InFlight
 
 
@@ -86,9 +90,10 @@ def reduce_scatter(
     unsharded_grads: list[torch.Tensor],
     group: dist.ProcessGroup,
     world_size: int,
+    divisor: int,
     comm: CommContext,
     group_fqn: str = "",
-) -> ReduceScatterInFlight:
+) -> ReduceInFlight:
     """Packs the gradients rank-major and starts the (summing) reduce-scatter.
 
     The caller drops its references to ``unsharded_grads`` afterwards: the
@@ -105,37 +110,50 @@ def reduce_scatter(
         chunk_cat_(nonempty, world_size, out=reduce_scatter_input)
     if grad.dtype.itemsize < 4:
         # bf16/fp16: average before the sum so that it cannot overflow.
-        reduce_scatter_input.div_(world_size)
+        reduce_scatter_input.div_(divisor)
     if world_size == 1:  # the input is the whole output: nothing to exchange
-        return ReduceScatterInFlight(
-            fsdp_params, reduce_scatter_input, reduce_scatter_input.view(-1), InFlight.done()
-        )
-    reduce_scatter_output = torch.empty(shard_numel, dtype=grad.dtype, device=grad.device)
+        output = reduce_scatter_input.view(-1)
+        return ReduceInFlight(fsdp_params, (), output, divisor, InFlight.done())
+    output = torch.empty(shard_numel, dtype=grad.dtype, device=grad.device)
     in_flight = comm.issue(
         "reduce_scatter",
         group_fqn,
         reduce_scatter_input.numel() * reduce_scatter_input.element_size(),
         lambda async_op: dist.reduce_scatter_single(
-            reduce_scatter_output,
-            reduce_scatter_input.view(-1),
-            op=dist.ReduceOp.SUM,
-            group=group,
-            async_op=async_op,
+            output, reduce_scatter_input.view(-1), group=group, async_op=async_op
         ),
     )
-    return ReduceScatterInFlight(
-        fsdp_params, reduce_scatter_input, reduce_scatter_output, in_flight
-    )
+    return ReduceInFlight(fsdp_params, (reduce_scatter_input,), output, divisor, in_flight)
 
 
 @torch.no_grad()
-def finish_reduce_scatter(result: ReduceScatterInFlight) -> None:
-    """Waits, averages over ranks as DDP does, and accumulates the sharded grads."""
-    result.in_flight.wait()
-    output = result.reduce_scatter_output
-    if output.dtype.itemsize >= 4:
-        output.div_(result.reduce_scatter_input.size(0))  # world size
-    slots = output.split([p.padded_shard_numel for p in result.fsdp_params])
-    for fsdp_param, slot in zip(result.fsdp_params, slots, strict=True):
-        local_grad = slot[: fsdp_param.local_numel].view(fsdp_param.local_shape)
+def all_reduce(
+    reduced: ReduceInFlight, group: dist.ProcessGroup, comm: CommContext, group_fqn: str = ""
+) -> ReduceInFlight:
+    """Starts summing a waited reduce-scatter's output across replicas (HSDP)."""
+    output = reduced.output
+    in_flight = comm.issue(
+        "all_reduce",
+        group_fqn,
+        output.numel() * output.element_size(),
+        lambda async_op: dist.all_reduce(output, group=group, async_op=async_op),
+    )
+    return reduced._replace(buffers=(), in_flight=in_flight)
+
+
+def output_slots(reduced: ReduceInFlight) -> list[torch.Tensor]:
+    """Each reduced parameter's rows of the output, shaped like its local shard."""
+    slots = reduced.output.split([p.padded_shard_numel for p in reduced.fsdp_params])
+    return [
+        slot[: p.local_numel].view(p.local_shape)
+        for p, slot in zip(reduced.fsdp_params, slots, strict=True)
+    ]
+
+
+@torch.no_grad()
+def assign_sharded_grads(reduced: ReduceInFlight) -> None:
+    """Averages a finished reduction as DDP does and accumulates the sharded grads."""
+    if reduced.output.dtype.itemsize >= 4:
+        reduced.output.div_(reduced.divisor)
+    for fsdp_param, local_grad in zip(reduced.fsdp_params, output_slots(reduced), strict=True):
         fsdp_param.accumulate_sharded_grad(local_grad)

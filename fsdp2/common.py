@@ -7,6 +7,7 @@ from enum import Enum, auto
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Placement, Replicate, Shard
 
 
 class TrainingState(Enum):
@@ -33,23 +34,38 @@ class ShardedState(Enum):
 
 @dataclass(frozen=True)
 class MeshInfo:
-    """The data-parallel axis of a mesh, resolved once."""
+    """The data-parallel axes of a mesh, resolved once: the axis parameters are
+    sharded over and, for HSDP, the axis they are replicated over."""
 
     mesh: DeviceMesh
     shard_axis: int
     shard_group: dist.ProcessGroup
     shard_world_size: int
     shard_rank: int
+    replicate_group: dist.ProcessGroup | None = None  # HSDP only
+    replicate_world_size: int = 1
 
     @classmethod
-    def from_mesh(cls, mesh: DeviceMesh, shard_axis: int = 0) -> "MeshInfo":
+    def from_mesh(cls, mesh: DeviceMesh) -> "MeshInfo":
+        """1D: shard over it. 2D (HSDP): replicate over axis 0, shard over axis 1."""
+        shard_axis = mesh.ndim - 1
+        replicate = mesh.ndim == 2
         return cls(
             mesh=mesh,
             shard_axis=shard_axis,
             shard_group=mesh.get_group(shard_axis),
             shard_world_size=mesh.size(shard_axis),
             shard_rank=mesh.get_local_rank(shard_axis),
+            replicate_group=mesh.get_group(0) if replicate else None,
+            replicate_world_size=mesh.size(0) if replicate else 1,
         )
+
+    @property
+    def placements(self) -> tuple[Placement, ...]:
+        """Of the sharded parameters and gradients."""
+        if self.replicate_group is None:
+            return (Shard(0),)
+        return (Replicate(), Shard(0))
 
 
 def chunk_rows(dim0: int, world_size: int) -> int:
@@ -74,5 +90,11 @@ def post_forward_mesh_info(mesh: DeviceMesh, group_size: int) -> MeshInfo:
     """The groups of ``group_size`` consecutive ranks of ``mesh``, for resharding
     after forward to a smaller world (every rank builds every group)."""
     ranks = mesh.mesh.view(-1, group_size)
-    small_mesh = DeviceMesh(mesh.device_type, ranks, mesh_dim_names=("replica", "post_forward"))
-    return MeshInfo.from_mesh(small_mesh, shard_axis=1)
+    small_mesh = DeviceMesh(mesh.device_type, ranks, mesh_dim_names=("outer", "post_forward"))
+    return MeshInfo(
+        mesh=small_mesh,
+        shard_axis=1,
+        shard_group=small_mesh.get_group(1),
+        shard_world_size=group_size,
+        shard_rank=small_mesh.get_local_rank(1),
+    )

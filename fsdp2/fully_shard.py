@@ -47,8 +47,11 @@ def fully_shard(
         module: the module whose parameters form one group. Its class is
             swapped in place to ``FSDP<Name>``, a subclass of ``FSDPModule``
             and the original class, and the same object is returned.
-        mesh: a 1D DeviceMesh to shard over. (Default: a mesh over the whole
-            world on the current accelerator, or CPU)
+        mesh: a 1D DeviceMesh to shard over, or a 2D one ``(replicate,
+            shard)`` for HSDP: sharded over axis 1, replicated over axis 0,
+            gradients reduce-scattered inside the shard group then all-reduced
+            across replicas. (Default: a 1D mesh over the whole world on the
+            current accelerator, or CPU)
         reshard_after_forward: free the unsharded parameters after forward and
             all-gather them again in backward (True), or keep them until
             backward ends (False). An int N (a divisor of the mesh size) keeps
@@ -279,6 +282,19 @@ class FSDPModule:
         """
         for group in self._param_groups(recurse):
             group.requires_gradient_sync = requires_gradient_sync
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """HSDP: turns the all-reduce across replicas on or off. Off, gradients are
+        still reduce-scattered inside each shard group, and the sums are kept
+        (one shard per parameter) until a backward with it on all-reduces them:
+        gradient accumulation that communicates only inside the shard group.
+
+        Args:
+            requires_all_reduce: whether the next backwards all-reduce.
+            recurse: apply to every sharded submodule too. (Default: True)
+        """
+        for group in self._param_groups(recurse):
+            group.requires_all_reduce = requires_all_reduce
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Whether the next backward is the last before the optimizer step. If

@@ -27,7 +27,7 @@ import torch.distributed as dist
 if TYPE_CHECKING:
     from .param_group import FSDPParamGroup
 
-_KINDS = ("all-gather", "reduce-scatter")
+_KINDS = ("all-gather", "reduce-scatter", "all-reduce")
 
 
 class ExecutionOrderCheck:

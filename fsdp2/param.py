@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
 from .common import MeshInfo, chunk_rows, local_rows
 from .policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
@@ -100,6 +100,9 @@ class FSDPParam:
         self.unsharded_param: nn.Parameter | None = None
         # Sum of unsharded gradients of backwards run without gradient sync.
         self.unsynced_grad: torch.Tensor | None = None
+        # HSDP: reduce-scattered but not yet all-reduced across replicas (local
+        # shard shape, reduce dtype), from backwards run without all-reduce.
+        self.partial_grad: torch.Tensor | None = None
         self._set_on_modules(self.sharded_param)
 
     def shard_like(self, full: torch.Tensor) -> DTensor:
@@ -111,7 +114,7 @@ class FSDPParam:
         return DTensor.from_local(
             local,
             self.mesh_info.mesh,
-            [Shard(0)],
+            self.mesh_info.placements,
             run_check=False,
             shape=self.orig_size,
             stride=_contiguous_strides(self.orig_size),
@@ -120,7 +123,7 @@ class FSDPParam:
     def _as_sharded_grad(self, local: torch.Tensor) -> DTensor:
         if self._grad_spec is None:
             self._grad_spec = dtensor_spec(
-                self.mesh_info.mesh, (Shard(0),), self.orig_size, self.orig_dtype
+                self.mesh_info.mesh, self.mesh_info.placements, self.orig_size, self.orig_dtype
             )
         return dtensor_from_local_no_grad(local, self._grad_spec)
 
@@ -194,6 +197,9 @@ class FSDPParam:
             grad = self.unsynced_grad if grad is None else grad.add_(self.unsynced_grad)
             self.unsynced_grad = None
         return grad
+
+    def zero_unsharded_grad(self) -> torch.Tensor:
+        return torch.zeros(self.orig_size, dtype=self.reduce_dtype, device=self.device)
 
     def keep_unsynced_grad(self) -> None:
         """Gradient accumulation without sync: adds this backward's unsharded

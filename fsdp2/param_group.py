@@ -25,7 +25,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn as nn
 
-from .collectives import AllGatherInFlight, all_gather, copy_out, reduce_scatter
+from .collectives import (
+    AllGatherInFlight,
+    ReduceInFlight,
+    all_gather,
+    copy_out,
+    output_slots,
+    reduce_scatter,
+)
 from .common import MeshInfo, ShardedState, TrainingState
 from .param import FSDPParam
 from .private_api import tree_flatten, tree_unflatten
@@ -55,6 +62,7 @@ class FSDPParamGroup:
         self.post_forward_mesh_info = post_forward_mesh_info
         self.reshard_after_backward = True
         self.requires_gradient_sync = True
+        self.requires_all_reduce = True  # HSDP: across replicas
         self.param_dtype = fsdp_params[0].param_dtype
         # SHARDED_POST_FORWARD: this rank's block of every parameter over the
         # small group, flat (post-forward slot of each parameter, in order).
@@ -230,6 +238,14 @@ class FSDPParamGroup:
             reduced, grads = [], []
             for fsdp_param in self.fsdp_params:
                 grad = fsdp_param.take_unsharded_grad()
+                if (
+                    grad is None
+                    and fsdp_param.partial_grad is not None
+                    and self.requires_all_reduce
+                ):
+                    # Kept from an earlier backward without all-reduce: it must
+                    # join this reduction even though this backward gave no grad.
+                    grad = fsdp_param.zero_unsharded_grad()
                 if grad is not None:
                     reduced.append(fsdp_param)
                     grads.append(grad)
@@ -244,14 +260,32 @@ class FSDPParamGroup:
                     numel = sum(p.padded_shard_numel for p in reduced) * info.shard_world_size
                     check.before_collective("reduce-scatter", self, info.shard_group, numel)
                 logger.debug("%s: reduce-scatter issued for %d grads", self.fqn, len(grads))
-                self.ctx.reduce_scatter_in_flight = reduce_scatter(
-                    reduced,
-                    grads,
-                    info.shard_group,
-                    info.shard_world_size,
-                    self.ctx.comm,
-                    self.fqn,
+                self.ctx.reduce_scatter_in_flight = (
+                    self,
+                    reduce_scatter(
+                        reduced,
+                        grads,
+                        info.shard_group,
+                        info.shard_world_size,
+                        info.shard_world_size * info.replicate_world_size,
+                        self.ctx.comm,
+                        self.fqn,
+                    ),
                 )
+
+    def keep_partial_grads(self, reduced: ReduceInFlight) -> None:
+        """HSDP without all-reduce: keep the shard-group sums for a later all-reduce."""
+        for fsdp_param, local_grad in zip(reduced.fsdp_params, output_slots(reduced), strict=True):
+            if fsdp_param.partial_grad is None:
+                fsdp_param.partial_grad = local_grad.clone()
+            else:
+                fsdp_param.partial_grad.add_(local_grad)
+
+    def add_partial_grads(self, reduced: ReduceInFlight) -> None:
+        for fsdp_param, local_grad in zip(reduced.fsdp_params, output_slots(reduced), strict=True):
+            if fsdp_param.partial_grad is not None:
+                local_grad.add_(fsdp_param.partial_grad)
+                fsdp_param.partial_grad = None
 
     @property
     def needs_post_backward(self) -> bool:
@@ -282,6 +316,7 @@ class FSDPParamGroup:
         self.reshard()
         for fsdp_param in self.fsdp_params:
             fsdp_param.take_unsharded_grad()
+            fsdp_param.partial_grad = None
             fsdp_param.sharded_param.grad = None
         self._post_forward_indices.clear()
         self.training_state = TrainingState.IDLE

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .collectives import ReduceScatterInFlight, finish_reduce_scatter
+from .collectives import ReduceInFlight, all_reduce, assign_sharded_grads
 from .comm import CommContext
 from .common import MeshInfo, ShardedState, TrainingState
 from .order import ExecutionOrderCheck
@@ -48,7 +48,9 @@ class RootContext:
         # this iteration's, and the successor of each in the previous iteration's.
         self.pre_forward_order: list[FSDPParamGroup] = []
         self.next_in_forward: dict[FSDPParamGroup, FSDPParamGroup] = {}
-        self.reduce_scatter_in_flight: ReduceScatterInFlight | None = None
+        # Gradient reduction, at most one group per stage in flight (see finish_reduce_scatter).
+        self.reduce_scatter_in_flight: tuple[FSDPParamGroup, ReduceInFlight] | None = None
+        self.all_reduce_in_flight: ReduceInFlight | None = None
         self.forward_root: FSDPState | None = None  # the state whose forward is running outermost
         self.final_callback_queued = False
         # False: the end of this backward leaves its last reduce-scatter in flight
@@ -72,12 +74,17 @@ class RootContext:
         an exception interrupted forward or backward."""
         for group in self.groups:
             group.reset()
+        in_flight = [self.all_reduce_in_flight]
         if self.reduce_scatter_in_flight is not None:
-            try:
-                self.reduce_scatter_in_flight.in_flight.wait()
-            except RuntimeError:
-                logger.warning("fsdp2: dropping a failed reduce-scatter while resetting")
-            self.reduce_scatter_in_flight = None
+            in_flight.append(self.reduce_scatter_in_flight[1])
+        for reduced in in_flight:
+            if reduced is not None:
+                try:
+                    reduced.in_flight.wait()
+                except RuntimeError:
+                    logger.warning("fsdp2: dropping a failed gradient reduction while resetting")
+        self.reduce_scatter_in_flight = None
+        self.all_reduce_in_flight = None
         self.forward_root = None
         self.post_forward_order.clear()
         self.pre_forward_order.clear()
@@ -86,9 +93,37 @@ class RootContext:
             self.order_check.discard_iteration()
 
     def finish_reduce_scatter(self) -> None:
-        if self.reduce_scatter_in_flight is not None:
-            finish_reduce_scatter(self.reduce_scatter_in_flight)
-            self.reduce_scatter_in_flight = None
+        """Waits for the reduce-scatter in flight, then assigns its gradients, or
+        (HSDP) starts their all-reduce across replicas, or keeps them for a later
+        one (``set_requires_all_reduce(False)``).
+
+        One reduction per stage is in flight: a group's reduce-scatter overlaps the
+        next group's backward, its all-reduce the one after.
+        """
+        if self.reduce_scatter_in_flight is None:
+            return
+        group, reduced = self.reduce_scatter_in_flight
+        self.reduce_scatter_in_flight = None
+        reduced.in_flight.wait()
+        replicate_group = group.mesh_info.replicate_group
+        if replicate_group is None:
+            assign_sharded_grads(reduced)
+        elif not group.requires_all_reduce:
+            group.keep_partial_grads(reduced)
+        else:
+            group.add_partial_grads(reduced)
+            self.finish_all_reduce()
+            if (check := self.order_check) is not None:
+                check.before_collective(
+                    "all-reduce", group, replicate_group, reduced.output.numel()
+                )
+            self.all_reduce_in_flight = all_reduce(reduced, replicate_group, self.comm, group.fqn)
+
+    def finish_all_reduce(self) -> None:
+        if self.all_reduce_in_flight is not None:
+            self.all_reduce_in_flight.in_flight.wait()
+            assign_sharded_grads(self.all_reduce_in_flight)
+            self.all_reduce_in_flight = None
 
     def start_forward(self) -> None:
         """A new iteration's forward begins (the outermost forward pre-hook).
@@ -125,6 +160,7 @@ class RootContext:
                 group.cancel_unshard()
             if self.is_last_backward:
                 self.finish_reduce_scatter()
+                self.finish_all_reduce()
             for state in self.states:
                 if state.param_group is not None:
                     state.param_group.finalize_backward()

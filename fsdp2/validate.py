@@ -44,10 +44,11 @@ def resolve_mesh(mesh: DeviceMesh | None) -> DeviceMesh:
             f"fully_shard expects mesh to be a DeviceMesh, got {type(mesh).__name__}. Build "
             "one with torch.distributed.device_mesh.init_device_mesh(device_type, (world_size,))."
         )
-    if mesh.ndim != 1:
+    if mesh.ndim not in (1, 2):
         raise ValueError(
-            f"fully_shard supports 1D meshes, got a {mesh.ndim}D mesh with shape "
-            f"{tuple(mesh.shape)}. Pass the data-parallel sub-mesh, e.g. mesh['dp']."
+            f"fully_shard supports 1D meshes (FSDP) and 2D meshes (HSDP: replicate, shard), got "
+            f"a {mesh.ndim}D mesh with shape {tuple(mesh.shape)}. Pass the data-parallel "
+            "sub-mesh, e.g. mesh['dp'] or mesh['dp_replicate', 'dp_shard']."
         )
     return mesh
 
