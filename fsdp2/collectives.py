@@ -72,9 +72,8 @@ def all_gather(
 
 @torch.no_grad()
 def copy_out(result: AllGatherInFlight, outputs: list[torch.Tensor]) -> None:
-    """Waits for the all-gather and scatters it into ``outputs``, each
+    """Scatters a finished all-gather into ``outputs``, each
     ``(world_size, slot_numel)``: rank k's slot goes to row k."""
-    result.in_flight.wait()
     world_size = outputs[0].size(0)
     torch.split_with_sizes_copy(
         result.all_gather_output.view(world_size, -1),

@@ -59,8 +59,9 @@ class InFlight(NamedTuple):
             except RuntimeError as error:
                 # Name the collective: gloo's own message only says which socket failed.
                 raise RuntimeError(
-                    f"fsdp2: the {self.label} failed or timed out: {error}. A peer rank may "
-                    "have died, raised, or run a different sequence of collectives."
+                    f"fsdp2 (rank {dist.get_rank()}): the {self.label} failed or timed out: "
+                    f"{error}. A peer rank may have died, raised, or run a different sequence "
+                    "of collectives."
                 ) from error
         if self.event is not None:
             torch.accelerator.current_stream(self.event.device).wait_event(self.event)

@@ -9,11 +9,15 @@ same-shaped blocks nothing fails, the ranks just swap weights silently;
 otherwise the run hangs or aborts with a size mismatch.
 
 When on (``TORCH_DISTRIBUTED_DEBUG=DETAIL``, or ``set_check_execution_order``
-on the root), the first iteration precedes every all-gather and reduce-scatter
-with a tiny all-gather of (kind, group index, numel) over the same process
-group, and all ranks raise together when they disagree. Later iterations cost
-nothing across ranks: each rank compares its sequence with its own first one
-and warns once if it deviates.
+on the root), every collective is preceded by a tiny all-gather of (kind,
+group index, numel) over the same process group, and all ranks raise together
+when they disagree, until the first *training iteration* has been seen whole:
+the collectives of forwards with grad enabled and of the backward that
+follows, up to a final callback in which gradients were reduce-scattered.
+That sequence is the reference. Later training iterations cost nothing across
+ranks: each rank compares its sequence with its reference and warns once if it
+deviates. Forwards without grad and backwards without gradient sync are not
+compared (they legitimately differ from a training iteration).
 """
 
 from __future__ import annotations
@@ -35,40 +39,65 @@ class ExecutionOrderCheck:
         self._groups = groups  # pre-order from the root: the same on every rank
         self._index = {id(g): i for i, g in enumerate(groups)}
         self._device = device
-        self._first: list[tuple[int, int]] | None = None  # the first iteration's sequence
+        # The first synced training iteration's sequence of (kind, group index).
+        self._reference: list[tuple[int, int]] | None = None
         self._current: list[tuple[int, int]] = []
         self._warned = False
 
-    def start_iteration(self) -> None:
-        if self._current:
-            if self._first is None:
-                self._first = self._current
-            self._current = []
+    def end_iteration(self) -> None:
+        """At the end of a backward: the first synced iteration becomes the
+        reference; later ones must not have run fewer collectives than it."""
+        current, self._current = self._current, []
+        synced = any(kind == _KINDS.index("reduce-scatter") for kind, _ in current)
+        if not synced:
+            return
+        if self._reference is None:
+            self._reference = current
+        elif len(current) < len(self._reference):
+            self._warn(
+                f"this rank ran {len(current)} collectives in this iteration, but "
+                f"{len(self._reference)} in the reference one"
+            )
 
     def discard_iteration(self) -> None:
         """Forgets an iteration that an exception interrupted."""
         self._current = []
 
     def before_collective(
-        self, kind: str, group: FSDPParamGroup, process_group: dist.ProcessGroup, numel: int
+        self,
+        kind: str,
+        group: FSDPParamGroup,
+        process_group: dist.ProcessGroup,
+        numel: int,
+        in_training: bool,
     ) -> None:
+        """``in_training``: issued by a forward with grad enabled or by a backward."""
         entry = (_KINDS.index(kind), self._index[id(group)])
         position = len(self._current)
+        if self._reference is None:
+            self._check_across_ranks(entry, position, process_group, numel, group)
+        if not in_training:
+            return
         self._current.append(entry)
-        if self._first is None:
-            self._check_across_ranks(entry, position, process_group, numel)
-        elif not self._warned and (position >= len(self._first) or self._first[position] != entry):
-            self._warned = True
+        reference = self._reference
+        if reference is not None and (position >= len(reference) or reference[position] != entry):
             expected = (
-                self._describe(self._first[position]) if position < len(self._first) else "nothing"
+                self._describe(reference[position]) if position < len(reference) else "nothing"
             )
-            warnings.warn(
-                f"fsdp2: this rank's collective #{position} of the iteration is the "
-                f"{self._describe(entry)}, but in the first iteration it was {expected}. If "
-                "other ranks do not deviate the same way, they exchange the wrong groups. "
-                "(Warned once.)",
-                stacklevel=4,
+            self._warn(
+                f"this rank's collective #{position} of the iteration is the "
+                f"{self._describe(entry)}, but in the reference iteration it was {expected}"
             )
+
+    def _warn(self, what: str) -> None:
+        if self._warned:
+            return
+        self._warned = True
+        warnings.warn(
+            f"fsdp2 execution order check (rank {dist.get_rank()}): {what}. Unless every rank "
+            "deviates the same way, ranks are exchanging the wrong groups. (Warned once.)",
+            stacklevel=2,
+        )
 
     def _check_across_ranks(
         self,
@@ -76,11 +105,18 @@ class ExecutionOrderCheck:
         position: int,
         process_group: dist.ProcessGroup,
         numel: int,
+        group: FSDPParamGroup,
     ) -> None:
         world_size = dist.get_world_size(process_group)
         mine = torch.tensor([*entry, numel], dtype=torch.int64, device=self._device)
         everyone = torch.empty(world_size * 3, dtype=torch.int64, device=self._device)
-        dist.all_gather_single(everyone, mine, group=process_group)
+        try:
+            dist.all_gather_single(everyone, mine, group=process_group)
+        except RuntimeError as error:
+            raise RuntimeError(
+                f"fsdp2 execution order check (rank {dist.get_rank()}): exchanging the "
+                f"description of the {self._describe(entry)} failed: {error}"
+            ) from error
         rows = everyone.view(world_size, 3).tolist()
         if all(row == rows[0] for row in rows):
             return
@@ -90,7 +126,7 @@ class ExecutionOrderCheck:
             for rank, (kind, index, n) in zip(ranks, rows, strict=True)
         )
         raise RuntimeError(
-            f"fsdp2 execution order check: at collective #{position} of the first iteration the "
+            f"fsdp2 execution order check: at collective #{position} of the iteration the "
             f"ranks are about to communicate different groups:\n{lines}\n"
             "Every rank must run the same sharded modules in the same order (no data-dependent "
             "skipping or reordering of modules). Without this check those collectives would pair "
@@ -99,4 +135,4 @@ class ExecutionOrderCheck:
 
     def _describe(self, entry: tuple[int, int]) -> str:
         kind, index = entry
-        return f"{_KINDS[kind]} of {self._groups[index].fqn!r}"
+        return f"{_KINDS[kind]} of {self._groups[index].name!r}"

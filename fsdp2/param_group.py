@@ -68,6 +68,7 @@ class FSDPParamGroup:
         # small group, flat (post-forward slot of each parameter, in order).
         self._post_forward_shard: torch.Tensor | None = None
         self.fqn = ""  # module path from the root, set at lazy init
+        self.name = type(module).__name__  # for messages: the path, or "(root)"; see lazy init
         self.training_state = TrainingState.IDLE
         self.sharded_state = ShardedState.SHARDED
         self._all_gather: AllGatherInFlight | None = None
@@ -75,7 +76,7 @@ class FSDPParamGroup:
         self._post_forward_indices: list[int] = []
 
     def _fail(self, message: str) -> AssertionError:
-        return AssertionError(f"[rank {self.mesh_info.shard_rank}] group {self.fqn!r}: {message}")
+        return AssertionError(f"[rank {self.mesh_info.shard_rank}] group {self.name!r}: {message}")
 
     # -- sharded state ----------------------------------------------------
 
@@ -96,8 +97,11 @@ class FSDPParamGroup:
             inputs = [p.all_gather_input for p in self.fsdp_params]
             slot_numels = [p.padded_shard_numel for p in self.fsdp_params]
         if (check := self.ctx.order_check) is not None:
-            check.before_collective("all-gather", self, info.shard_group, sum(slot_numels))
-        logger.debug("%s: all-gather issued (%s)", self.fqn, self.sharded_state.name)
+            in_training = torch.is_grad_enabled() or self.ctx.final_callback_queued
+            check.before_collective(
+                "all-gather", self, info.shard_group, sum(slot_numels), in_training
+            )
+        logger.debug("%s: all-gather issued (%s)", self.name, self.sharded_state.name)
         self._all_gather = all_gather(
             inputs,
             slot_numels,
@@ -106,7 +110,7 @@ class FSDPParamGroup:
             info.shard_rank,
             info.shard_world_size,
             self.ctx.comm,
-            self.fqn,
+            self.name,
         )
 
     def wait_for_unshard(self) -> None:
@@ -116,14 +120,16 @@ class FSDPParamGroup:
                 raise self._fail("wait_for_unshard() without an all-gather in flight")
             return
         world_size = self._unshard_world_size()
-        with torch.profiler.record_function(f"fsdp2::all_gather_copy_out ({self.fqn})"):
+        # Wait before allocating: if the collective fails, nothing is left allocated.
+        self._all_gather.in_flight.wait()
+        with torch.profiler.record_function(f"fsdp2::all_gather_copy_out ({self.name})"):
             outputs = [p.alloc_unsharded().view(world_size, -1) for p in self.fsdp_params]
             copy_out(self._all_gather, outputs)
         self._all_gather = None
         self._post_forward_shard = None
         for fsdp_param in self.fsdp_params:
             fsdp_param.to_unsharded()
-        logger.debug("%s: unsharded", self.fqn)
+        logger.debug("%s: unsharded", self.name)
         self.sharded_state = ShardedState.UNSHARDED
 
     def _unshard_world_size(self) -> int:
@@ -137,7 +143,7 @@ class FSDPParamGroup:
         self._post_forward_shard = None
         if self.sharded_state is ShardedState.UNSHARDED:
             self._to_sharded()
-            logger.debug("%s: resharded", self.fqn)
+            logger.debug("%s: resharded", self.name)
         self.sharded_state = ShardedState.SHARDED
 
     def _reshard_post_forward(self) -> None:
@@ -228,7 +234,7 @@ class FSDPParamGroup:
         """Reduce-scatters the gradients of this backward (or keeps them, without
         gradient sync) and reshards."""
         self.training_state = TrainingState.POST_BACKWARD
-        with torch.profiler.record_function(f"fsdp2::post_backward ({self.fqn})"):
+        with torch.profiler.record_function(f"fsdp2::post_backward ({self.name})"):
             if not self.requires_gradient_sync:
                 for fsdp_param in self.fsdp_params:
                     fsdp_param.keep_unsynced_grad()
@@ -258,8 +264,8 @@ class FSDPParamGroup:
                 info = self.mesh_info
                 if (check := self.ctx.order_check) is not None:
                     numel = sum(p.padded_shard_numel for p in reduced) * info.shard_world_size
-                    check.before_collective("reduce-scatter", self, info.shard_group, numel)
-                logger.debug("%s: reduce-scatter issued for %d grads", self.fqn, len(grads))
+                    check.before_collective("reduce-scatter", self, info.shard_group, numel, True)
+                logger.debug("%s: reduce-scatter issued for %d grads", self.name, len(grads))
                 self.ctx.reduce_scatter_in_flight = (
                     self,
                     reduce_scatter(
@@ -312,9 +318,10 @@ class FSDPParamGroup:
             self.cancel_unshard()
         except RuntimeError:
             self._all_gather = None
-            logger.warning("fsdp2: %s: dropping a failed all-gather while resetting", self.fqn)
+            logger.warning("fsdp2: %s: dropping a failed all-gather while resetting", self.name)
         self.reshard()
         for fsdp_param in self.fsdp_params:
+            fsdp_param.free_unsharded()  # also what a failed copy-out left allocated
             fsdp_param.take_unsharded_grad()
             fsdp_param.partial_grad = None
             fsdp_param.sharded_param.grad = None
@@ -326,7 +333,7 @@ class FSDPParamGroup:
         self.training_state = TrainingState.IDLE
 
     def __repr__(self) -> str:
-        return f"FSDPParamGroup({self.fqn!r}, {len(self.fsdp_params)} params)"
+        return f"FSDPParamGroup({self.name!r}, {len(self.fsdp_params)} params)"
 
 
 class PostBackward(torch.autograd.Function):

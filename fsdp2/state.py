@@ -56,7 +56,7 @@ class RootContext:
         # False: the end of this backward leaves its last reduce-scatter in flight
         # (set_is_last_backward, for micro-batch and pipeline schedules).
         self.is_last_backward = True
-        self.check_execution_order = os.environ.get("TORCH_DISTRIBUTED_DEBUG", "") == "DETAIL"
+        self.check_execution_order = False  # or TORCH_DISTRIBUTED_DEBUG=DETAIL at lazy init
         self.order_check: ExecutionOrderCheck | None = None  # made at lazy init when asked for
 
     @property
@@ -138,8 +138,6 @@ class RootContext:
         if order:
             self.next_in_forward = dict(zip(order, order[1:], strict=False))
             self.pre_forward_order = []
-        if self.order_check is not None:
-            self.order_check.start_iteration()
 
     def queue_final_callback(self) -> None:
         """Once per backward: run :meth:`_final_callback` when the engine is done."""
@@ -165,6 +163,8 @@ class RootContext:
                 if state.param_group is not None:
                     state.param_group.finalize_backward()
             self.post_forward_order.clear()
+            if self.order_check is not None:
+                self.order_check.end_iteration()
             self.final_callback_queued = False
             if self.comm.stats is not None:
                 self.comm.stats.end_step()
@@ -218,6 +218,8 @@ class FSDPState:
                         "outermost sharded module (the root), not a submodule."
                     )
                 state.is_root = False
+            if state is not self:
+                _check_root_only_settings(state, name)
             ctx.states.append(state)
             state.ctx = ctx
             group = state.param_group
@@ -225,12 +227,14 @@ class FSDPState:
                 continue
             group.ctx = ctx
             group.fqn = name
+            group.name = name or "(root)"
             for fsdp_param in group.fsdp_params:
                 fsdp_param.fqn = f"{name}.{fsdp_param.fqn}" if name else fsdp_param.fqn
         if self.param_group is not None and self.reshard_after_forward_arg is None:
             # The root's parameters are needed again first thing in backward.
             self.param_group.reshard_after_forward = False
-        ctx.enable_order_check(ctx.check_execution_order)
+        detail = os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL"
+        ctx.enable_order_check(ctx.check_execution_order or detail)
         logger.debug(
             "lazy init: root %s with %d groups", type(self.module).__name__, len(ctx.groups)
         )
@@ -305,6 +309,27 @@ def _register_tensor_hooks(output: Any, hook) -> None:
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
             leaf.register_hook(hook)
+
+
+def _check_root_only_settings(state: FSDPState, name: str) -> None:
+    """Settings made on a submodule's own context before the root was known
+    would be silently dropped when the root's context replaces it."""
+    ctx = state.ctx
+    made = [
+        what
+        for what, is_set in (
+            ("comm_stats", ctx.comm.stats is not None),
+            ("set_check_execution_order", ctx.check_execution_order),
+            ("set_is_last_backward", not ctx.is_last_backward),
+        )
+        if is_set
+    ]
+    if made:
+        raise RuntimeError(
+            f"fsdp2: {', '.join(made)} was applied to {name!r}, which is not the root: it applies "
+            "to the whole model. Use it on the outermost sharded module (the one whose forward "
+            "you call)."
+        )
 
 
 def _map_tensors(tree: Any, fn) -> Any:

@@ -1,6 +1,6 @@
 """Communication statistics: what each group sent, and how long compute waited for it.
 
-    with fsdp2.comm_stats(model) as stats:
+    with fsdp2.comm_stats(model) as stats:    # model: the root
         for batch in batches:
             train_step(batch)
     print(stats.steps[-1]["layers.0"].all_gather.bytes)
@@ -87,8 +87,8 @@ def comm_stats(root: nn.Module) -> Iterator[CommStats]:
         )
     stats = CommStats()
     comm = state.ctx.comm
-    comm.stats = stats
+    outer, comm.stats = comm.stats, stats
     try:
         yield stats
     finally:
-        comm.stats = None
+        comm.stats = outer  # nested: the outer recorder takes over again

@@ -58,7 +58,7 @@ def summary(model: nn.Module, *, print_table: bool = True) -> list[GroupSummary]
                 padding_bytes=(gathered_numel - numel) * itemsize,
                 placements=str(tuple(params[0].sharded_param.placements)),
                 mesh=f"{tuple(group.mesh_info.mesh.shape)} {group.mesh_info.mesh.device_type}",
-                reshard_after_forward=_reshard_policy(state),
+                reshard_after_forward=_reshard_policy(state, is_root=module is model),
                 param_dtype=str(group.param_dtype).removeprefix("torch."),
                 reduce_dtype=str(params[0].reduce_dtype).removeprefix("torch."),
             )
@@ -68,12 +68,12 @@ def summary(model: nn.Module, *, print_table: bool = True) -> list[GroupSummary]
     return rows
 
 
-def _reshard_policy(state) -> str:
+def _reshard_policy(state, is_root: bool) -> str:
     group = state.param_group
     if group.post_forward_mesh_info is not None:
         return f"to {group.post_forward_mesh_info.shard_world_size} ranks"
     if state.is_root is None and state.reshard_after_forward_arg is None:
-        return "auto"  # decided at lazy init: off for the root
+        return str(not is_root)  # what lazy init will decide: off for the root only
     return str(group.reshard_after_forward)
 
 
