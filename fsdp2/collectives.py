@@ -46,7 +46,7 @@ def all_gather(
     rank: int,
     world_size: int,
     comm: CommContext,
-    group_fqn: str = "",
+    group_name: str = "",
 ) -> AllGatherInFlight:
     """Copies ``inputs`` (flat, each at most its slot long) into this rank's
     block of one flat buffer, casting to ``dtype``, and starts the all-gather."""
@@ -61,7 +61,7 @@ def all_gather(
         return AllGatherInFlight(all_gather_output, InFlight.done())
     in_flight = comm.issue(
         "all_gather",
-        group_fqn,
+        group_name,
         all_gather_output.numel() * all_gather_output.element_size(),
         lambda async_op: dist.all_gather_single(
             all_gather_output, all_gather_input, group=group, async_op=async_op
@@ -91,7 +91,7 @@ def reduce_scatter(
     world_size: int,
     divisor: int,
     comm: CommContext,
-    group_fqn: str = "",
+    group_name: str = "",
 ) -> ReduceInFlight:
     """Packs the gradients rank-major and starts the (summing) reduce-scatter.
 
@@ -116,7 +116,7 @@ def reduce_scatter(
     output = torch.empty(shard_numel, dtype=grad.dtype, device=grad.device)
     in_flight = comm.issue(
         "reduce_scatter",
-        group_fqn,
+        group_name,
         reduce_scatter_input.numel() * reduce_scatter_input.element_size(),
         lambda async_op: dist.reduce_scatter_single(
             output, reduce_scatter_input.view(-1), group=group, async_op=async_op
@@ -127,13 +127,13 @@ def reduce_scatter(
 
 @torch.no_grad()
 def all_reduce(
-    reduced: ReduceInFlight, group: dist.ProcessGroup, comm: CommContext, group_fqn: str = ""
+    reduced: ReduceInFlight, group: dist.ProcessGroup, comm: CommContext, group_name: str = ""
 ) -> ReduceInFlight:
     """Starts summing a waited reduce-scatter's output across replicas (HSDP)."""
     output = reduced.output
     in_flight = comm.issue(
         "all_reduce",
-        group_fqn,
+        group_name,
         output.numel() * output.element_size(),
         lambda async_op: dist.all_reduce(output, group=group, async_op=async_op),
     )

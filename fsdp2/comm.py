@@ -88,20 +88,20 @@ class CommContext:
     def issue(
         self,
         kind: str,
-        group_fqn: str,
+        group_name: str,
         nbytes: int,
         collective: Callable[[bool], dist.Work | None],
     ) -> InFlight:
         """Runs ``collective(async_op)``: on the comm stream of ``kind``
         ("all_gather" or "reduce_scatter") on accelerators, asynchronously on CPU.
         ``nbytes`` (of the full buffer) is for the statistics."""
-        label = f"{kind.replace('_', '-')} of {group_fqn!r}"
+        label = f"{kind.replace('_', '-')} of {group_name!r}"
         stats = None
         if self.stats is not None:
-            stats = self.stats.record(group_fqn, kind)
+            stats = self.stats.record(group_name, kind)
             stats.count += 1
             stats.bytes += nbytes
-        with torch.profiler.record_function(f"fsdp2::{kind} ({group_fqn})"):
+        with torch.profiler.record_function(f"fsdp2::{kind} ({group_name})"):
             if not self.uses_streams:
                 return InFlight(collective(True), None, label, stats)
             stream = self._stream(kind)

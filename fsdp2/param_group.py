@@ -275,7 +275,7 @@ class FSDPParamGroup:
                         info.shard_world_size,
                         info.shard_world_size * info.replicate_world_size,
                         self.ctx.comm,
-                        self.fqn,
+                        self.name,
                     ),
                 )
 

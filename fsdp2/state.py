@@ -117,7 +117,7 @@ class RootContext:
                 check.before_collective(
                     "all-reduce", group, replicate_group, reduced.output.numel()
                 )
-            self.all_reduce_in_flight = all_reduce(reduced, replicate_group, self.comm, group.fqn)
+            self.all_reduce_in_flight = all_reduce(reduced, replicate_group, self.comm, group.name)
 
     def finish_all_reduce(self) -> None:
         if self.all_reduce_in_flight is not None:

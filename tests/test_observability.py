@@ -40,6 +40,7 @@ import fsdp2
 KIND = "transformer_untied"
 N_LAYERS = 2
 GROUPS = ("", *(f"layers.{i}" for i in range(N_LAYERS)))  # the root takes what the blocks leave
+DEFAULT_RESHARD = {group: str(group != "") for group in GROUPS}  # all but the root's
 FAKE_WORLD_SIZE = 8
 WORLD_SIZE = 2
 
@@ -118,12 +119,12 @@ def fake_mesh() -> Iterator[DeviceMesh]:
 def test_summary_before_first_step(fake_mesh: DeviceMesh, device: str) -> None:
     """Before any forward (and on a model built on the meta device) the rows
     hold the sizes of the unsharded model; whether a group reshards after
-    forward is not decided yet ("auto": off for whichever becomes the root)."""
+    forward is shown as lazy init will decide it: off for the root, on for the rest."""
     with torch.device(device):
         model = shard_model(build_model(KIND, n_layers=N_LAYERS), mesh=fake_mesh)
     rows = fsdp2.summary(model, print_table=False)
     expected = expected_groups(build_model(KIND, n_layers=N_LAYERS), 0, FAKE_WORLD_SIZE)
-    check_rows(rows, expected, dict.fromkeys(GROUPS, "auto"), mesh="(8,) cpu")
+    check_rows(rows, expected, DEFAULT_RESHARD, mesh="(8,) cpu")
     # Every dim is padded at world size 8 (18 rows -> 3 per rank, 33 -> 5, 9 -> 2).
     assert all(row.padding_bytes > 0 for row in rows)
 
@@ -139,7 +140,7 @@ def test_summary_policies(fake_mesh: DeviceMesh) -> None:
     fsdp2.fully_shard(model, mesh=fake_mesh, mp_policy=mp_policy, reshard_after_forward=False)
     rows = fsdp2.summary(model, print_table=False)
     expected = expected_groups(build_model(KIND, n_layers=N_LAYERS), 0, FAKE_WORLD_SIZE)
-    reshard = {"": "False", "layers.0": "to 2 ranks", "layers.1": "auto"}
+    reshard = {"": "False", "layers.0": "to 2 ranks", "layers.1": "True"}
     check_rows(
         rows,
         expected,
@@ -175,16 +176,17 @@ def test_comm_stats_rejects_unsharded_module(fake_mesh: DeviceMesh) -> None:
         pass
 
 
-@pytest.mark.xfail(
-    reason="before the first forward no state knows it is not the root (is_root is None), so "
-    "comm_stats accepts a block; lazy init then replaces the block's context by the root's "
-    "and the stats silently stay empty",
-    strict=True,
-)
-def test_comm_stats_rejects_non_root_before_first_forward(fake_mesh: DeviceMesh) -> None:
+def test_comm_stats_on_non_root_before_first_forward_fails_at_lazy_init(
+    fake_mesh: DeviceMesh,
+) -> None:
+    """Before the first forward no state knows it is not the root; lazy init does,
+    and refuses rather than silently recording nothing."""
     model = shard_model(build_model(KIND, n_layers=N_LAYERS), mesh=fake_mesh)
-    with pytest.raises(ValueError, match="root"), fsdp2.comm_stats(model.layers[0]):
-        pass
+    with (
+        fsdp2.comm_stats(model.layers[0]),
+        pytest.raises(RuntimeError, match=r"comm_stats was applied to 'layers\.0'.*not the root"),
+    ):
+        model._fsdp_state.lazy_init()
 
 
 # -- distributed: summary after lazy init, comm_stats --------------------------
@@ -197,6 +199,8 @@ def _check_step_stats(
     rows: list[fsdp2.GroupSummary],
 ) -> None:
     """One training step's statistics against the sizes of the groups."""
+    # comm_stats names the root group "(root)"; the summary's module path is "".
+    step = {("" if name == "(root)" else name): stats for name, stats in step.items()}
     assert set(step) == set(GROUPS), sorted(step)
     itemsize = 4
     for group, stats in step.items():
@@ -234,7 +238,7 @@ def _summary_and_comm_stats(rank: int, world_size: int, mesh: DeviceMesh) -> Non
 
     with labelled("summary before the first step"):
         rows = fsdp2.summary(model, print_table=False)
-        check_rows(rows, expected, dict.fromkeys(GROUPS, "auto"), mesh=mesh_str)
+        check_rows(rows, expected, DEFAULT_RESHARD, mesh=mesh_str)
         # This rank's shard bytes are what its local shards hold.
         for row in rows:
             local = sum(

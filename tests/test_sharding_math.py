@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from fsdp2 import MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from fsdp2.collectives import all_gather, copy_out, finish_reduce_scatter, reduce_scatter
+from fsdp2.collectives import all_gather, assign_sharded_grads, copy_out, reduce_scatter
 from fsdp2.comm import InFlight
 from fsdp2.common import MeshInfo, chunk_rows, local_rows
 from fsdp2.param import FSDPParam
@@ -132,6 +132,10 @@ def all_gather_round_trip(origs: list[torch.Tensor], mesh: DeviceMesh) -> list[l
             )
             for rank, params in enumerate(per_rank)
         ]
+    if world_size == 1:  # a world of one rank exchanges nothing: the input is the output
+        assert calls == []
+        copy_out(results[0], [p.alloc_unsharded().view(1, -1) for p in per_rank[0]])
+        return per_rank
     assert len(calls) == world_size
 
     shard_numel = sum(p.padded_shard_numel for p in per_rank[0])
@@ -291,18 +295,22 @@ def test_reduce_scatter_gives_each_rank_its_chunk_of_the_mean(
     ]
     with recording("reduce_scatter_single") as calls:
         results = [
-            reduce_scatter(params, grads, mesh.get_group(0), world_size, SyncComm())  # type: ignore[arg-type]
+            reduce_scatter(params, grads, mesh.get_group(0), world_size, world_size, SyncComm())  # type: ignore[arg-type]
             for params, grads in zip(per_rank, grads_per_rank, strict=True)
         ]
-    assert [group for _, _, group in calls] == [mesh.get_group(0)] * world_size
-    # The collective: rank r receives the sum over ranks of row r.
-    inputs = [input.view(world_size, -1) for _, input, _ in calls]
-    for rank, (output, _, _) in enumerate(calls):
-        total = inputs[0][rank].clone()
-        for input in inputs[1:]:
-            total += input[rank]
-        output.copy_(total)
-        finish_reduce_scatter(results[rank])
+    if world_size == 1:  # a world of one rank exchanges nothing: the input is the output
+        assert calls == []
+        assign_sharded_grads(results[0])
+    else:
+        assert [group for _, _, group in calls] == [mesh.get_group(0)] * world_size
+        # The collective: rank r receives the sum over ranks of row r.
+        inputs = [input.view(world_size, -1) for _, input, _ in calls]
+        for rank, (output, _, _) in enumerate(calls):
+            total = inputs[0][rank].clone()
+            for input in inputs[1:]:
+                total += input[rank]
+            output.copy_(total)
+            assign_sharded_grads(results[rank])
 
     for i, orig in enumerate(origs):
         total = grads_per_rank[0][i].clone()
@@ -330,10 +338,10 @@ def test_reduce_scatter_with_zero_row_gradient(meshes: dict[int, DeviceMesh]) ->
     params = build_params(random_tensors(shapes_, torch.float32, 0), mesh, 0)
     grads = random_tensors(shapes_, torch.float32, 1)
     with recording("reduce_scatter_single") as calls:
-        result = reduce_scatter(params, grads, mesh.get_group(0), 4, SyncComm())  # type: ignore[arg-type]
+        result = reduce_scatter(params, grads, mesh.get_group(0), 4, 4, SyncComm())  # type: ignore[arg-type]
     output, input, _ = calls[0]
     output.copy_(input.view(4, -1)[0] * 4)  # every rank sent the same gradients
-    finish_reduce_scatter(result)
+    assign_sharded_grads(result)
     assert params[0].sharded_param.grad.to_local().shape == (0, 3)
     assert torch.equal(params[1].sharded_param.grad.to_local(), grads[1][:2])
 

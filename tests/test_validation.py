@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import fsdp2
@@ -129,18 +129,20 @@ def test_mesh_not_a_device_mesh_raises(mesh: DeviceMesh, bad_mesh: object) -> No
     assert_untouched(model, MLP)
 
 
-def test_2d_mesh_raises_and_its_1d_submesh_works(mesh: DeviceMesh) -> None:
-    mesh_2d = init_device_mesh("cpu", (2, 4), mesh_dim_names=("replicate", "dp"))
+def test_3d_mesh_raises_and_2d_hsdp_and_1d_submesh_work(mesh: DeviceMesh) -> None:
+    mesh_3d = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "replicate", "dp"))
     model = MLP()
-    with pytest.raises(ValueError, match=r"supports 1D meshes, got a 2D mesh with shape \(2, 4\)"):
-        fully_shard(model, mesh=mesh_2d)
+    with pytest.raises(ValueError, match=r"got a 3D mesh with shape \(2, 2, 2\)"):
+        fully_shard(model, mesh=mesh_3d)
     assert_untouched(model, MLP)
 
-    # The fix the message suggests: pass the data-parallel sub-mesh.
+    # The fix the message suggests: pass the data-parallel sub-mesh, 1D or 2D (HSDP).
     orig = model.up.weight.detach().clone()
-    fully_shard(model, mesh=mesh_2d["dp"])
-    assert model.up.weight.device_mesh == mesh_2d["dp"]
-    assert torch.equal(model.up.weight.to_local(), torch.chunk(orig, 4)[0])
+    fully_shard(model.up, mesh=mesh_3d["replicate", "dp"])
+    assert model.up.weight.placements == (Replicate(), Shard(0))
+    assert torch.equal(model.up.weight.to_local(), torch.chunk(orig, 2)[0])
+    fully_shard(model, mesh=mesh_3d["dp"])
+    assert model.down.weight.device_mesh == mesh_3d["dp"]
 
 
 @pytest.mark.parametrize("value", ["yes", 0.0, 2.0], ids=repr)
