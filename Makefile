@@ -4,14 +4,14 @@ PY := $(VENV)/bin/python
 # `torch` or an open range would pull a multi-GB CUDA build.
 TORCH_PIN := torch==2.13.0
 
-.PHONY: setup test test-fast lint format clean
+.PHONY: setup test test-fast demo lint format clean
 
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check $(TORCH_PIN)
-	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev]'
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev,demo]'
 	touch $@
 
 test: setup
@@ -19,6 +19,10 @@ test: setup
 
 test-fast: setup
 	$(PY) -m pytest -q tests -m "not distributed"
+
+# 2 CPU ranks on gloo, spawned by the script itself (no torchrun); output in runs/<timestamp>/.
+demo: setup
+	$(PY) scripts/train.py --nproc 2
 
 lint: setup
 	$(VENV)/bin/ruff check fsdp2 tests scripts

@@ -1,0 +1,245 @@
+"""The demo training job, scripts/train.py.
+
+One uninterrupted 2-rank run of a tiny model is shared by the distributed
+tests: its loss falls, it leaves checkpoints, metrics and a plot, and resuming
+from its mid-run checkpoint gives the same losses bit for bit (2 ranks) or to
+rounding (1 rank, where the reductions run in another order). The other tests
+are single-process: argument errors exit with status 2 before any process
+group exists, the data split does not depend on the world size, and
+meta-device initialisation of a sharded model (a "fake" process group) gives
+each rank its chunk of the unsharded initial weights and real rotary tables.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from fsdp2 import fully_shard
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+import llama  # noqa: E402
+import train  # noqa: E402
+
+# A model small enough that a step takes milliseconds, with an lr at which the
+# byte-level loss (ln 256 = 5.55 at init) falls by more than one nat in 12 steps.
+TINY = [
+    *("--dim", "32", "--layers", "2", "--heads", "2", "--seq-len", "32"),
+    *("--global-batch", "8", "--lr", "1e-2", "--warmup", "2", "--steps", "12"),
+    *("--ckpt-every", "6", "--log-every", "100", "--sample-tokens", "8", "--timeout", "60"),
+]
+MID_STEP = 6
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    return {m["step"]: m["loss"] for m in train.read_metrics(run_dir / "metrics.jsonl")}
+
+
+def resume_copy(source: Path, dest: Path, step: int) -> Path:
+    """A run folder holding only ``source``'s config and its checkpoint at ``step``,
+    as if a run had been interrupted just after saving it."""
+    checkpoint = f"step_{step:06d}"
+    shutil.copytree(source / "checkpoints" / checkpoint, dest / "checkpoints" / checkpoint)
+    shutil.copy(source / "config.json", dest / "config.json")
+    return dest
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run_dir = tmp_path_factory.mktemp("demo") / "run"
+    train.main([*TINY, "--nproc", "2", "--run-dir", str(run_dir)])
+    return run_dir
+
+
+# -- 2-rank runs ----------------------------------------------------------------
+
+
+@pytest.mark.distributed
+def test_run_outputs_and_falling_loss(full_run: Path) -> None:
+    metrics = train.read_metrics(full_run / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == list(range(1, 13))
+    for key in ("lr", "tokens_per_s", "step_time_s", "exposed_comm_s", "memory_bytes_per_rank"):
+        assert key in metrics[0], key
+    assert len(metrics[0]["memory_bytes_per_rank"]) == 2
+    assert all(m["exposed_comm_s"] >= 0 for m in metrics)
+    first = sum(m["loss"] for m in metrics[:3]) / 3
+    last = sum(m["loss"] for m in metrics[-3:]) / 3
+    assert math.isclose(metrics[0]["loss"], math.log(256), rel_tol=0.02)  # a uniform guess
+    assert last < first - 1.0, (first, last)
+
+    assert train.latest_checkpoint(full_run) == full_run / "checkpoints" / "step_000012"
+    assert (full_run / "checkpoints" / f"step_{MID_STEP:06d}" / ".metadata").is_file()
+    assert (full_run / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (full_run / "sample.txt").read_text().startswith("And God said")
+    assert json.loads((full_run / "config.json").read_text())["dim"] == 32
+
+
+@pytest.mark.distributed
+def test_resume_is_exact(full_run: Path, tmp_path: Path) -> None:
+    run_dir = resume_copy(full_run, tmp_path / "run", MID_STEP)
+    # Only launch flags: the model, data and schedule come from the run's config.json.
+    train.main(["--resume", "--run-dir", str(run_dir), "--nproc", "2", "--sample-tokens", "0"])
+    resumed, reference = losses(run_dir), losses(full_run)
+    assert sorted(resumed) == list(range(MID_STEP + 1, 13))
+    assert resumed == {step: reference[step] for step in resumed}  # exact float equality
+
+
+@pytest.mark.distributed
+def test_resume_at_another_world_size(full_run: Path, tmp_path: Path) -> None:
+    run_dir = resume_copy(full_run, tmp_path / "run", MID_STEP)
+    train.main(["--resume", "--run-dir", str(run_dir), "--nproc", "1", "--sample-tokens", "0"])
+    assert not dist.is_initialized()
+    resumed, reference = losses(run_dir), losses(full_run)
+    assert sorted(resumed) == list(range(MID_STEP + 1, 13))
+    for step, loss in resumed.items():
+        assert math.isclose(loss, reference[step], rel_tol=1e-4), (step, loss, reference[step])
+
+
+@pytest.mark.distributed
+def test_bf16_grad_accum_tied(tmp_path: Path) -> None:
+    """The other options together, on one in-process rank."""
+    run_dir = tmp_path / "run"
+    argv = [*TINY, "--nproc", "1", "--run-dir", str(run_dir), "--steps", "6", "--bf16"]
+    train.main([*argv, "--grad-accum", "2", "--tie-embeddings", "--ckpt-every", "0"])
+    metrics = train.read_metrics(run_dir / "metrics.jsonl")
+    assert len(metrics) == 6 and all(math.isfinite(m["loss"]) for m in metrics)
+    assert metrics[-1]["loss"] < metrics[0]["loss"] - 0.5
+    assert train.latest_checkpoint(run_dir) == run_dir / "checkpoints" / "step_000006"
+
+
+# -- argument errors: status 2 and a message, before any process group --------
+
+
+def run_dir_with_checkpoint(tmp_path: Path, dim: int) -> Path:
+    (tmp_path / "checkpoints" / "step_000004").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "step_000004" / ".metadata").write_bytes(b"")
+    (tmp_path / "config.json").write_text(json.dumps({"dim": dim, "steps": 8}))
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "message"),
+    [
+        (["--device", "tpu"], {}, "invalid choice: 'tpu'"),
+        (["--nproc", "3"], {}, r"--global-batch 16 does not divide by world size 3"),
+        (["--nproc", "2", "--grad-accum", "3"], {}, r"world size 2 x --grad-accum 3 = 6"),
+        ([], {"RANK": "0", "WORLD_SIZE": "3", "LOCAL_RANK": "0"}, "does not divide"),
+        (["--nproc", "2"], {"RANK": "0", "WORLD_SIZE": "4", "LOCAL_RANK": "0"}, "drop --nproc"),
+        (["--heads", "3"], {}, "must be divisible by n_heads"),
+        (["--resume"], {}, "--resume needs --run-dir"),
+        (["--data", "/nonexistent/corpus.txt"], {}, "no such file"),
+        (["--steps", "0"], {}, "--steps must be at least 1"),
+    ],
+)
+def test_bad_arguments(
+    argv: list[str],
+    env: dict[str, str],
+    message: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(SystemExit) as exc:
+        train.main(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not dist.is_initialized()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without CUDA")
+def test_cuda_without_cuda(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        train.main(["--device", "cuda"])
+    assert exc.value.code == 2
+    assert "CUDA is not available" in capsys.readouterr().err
+
+
+def test_resume_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        train.main(["--resume", "--run-dir", str(tmp_path)])
+    assert exc.value.code == 2
+    assert f"no checkpoint in {tmp_path / 'checkpoints'}" in capsys.readouterr().err
+
+    run_dir = run_dir_with_checkpoint(tmp_path, dim=64)
+    with pytest.raises(SystemExit) as exc:
+        train.main(["--resume", "--run-dir", str(run_dir), "--dim", "128"])
+    assert exc.value.code == 2
+    assert "--dim 128 but the checkpoints" in capsys.readouterr().err
+
+    with pytest.raises(SystemExit) as exc:
+        train.main(["--run-dir", str(run_dir)])  # a new run into an old run's folder
+    assert exc.value.code == 2
+    assert "already holds checkpoints: add --resume" in capsys.readouterr().err
+
+    args = train.parse_args(["--resume", "--run-dir", str(run_dir), "--steps", "20"])
+    assert (args.dim, args.steps) == (64, 20)  # the run's value, unless given again
+    assert not dist.is_initialized()
+
+
+# -- data and initialisation, single process ----------------------------------
+
+
+def test_global_batch_split_is_independent_of_world_size() -> None:
+    corpus = train.Corpus(train.DEFAULT_DATA, seq_len=16, global_batch=8, seed=3)
+    for step in (0, 7):
+        whole, whole_targets = corpus.batch(step, rank=0, world_size=1)
+        assert torch.equal(whole[:, 1:], whole_targets[:, :-1])
+        for world_size in (2, 4, 8):
+            parts = [corpus.batch(step, r, world_size)[0] for r in range(world_size)]
+            assert torch.equal(torch.cat(parts), whole)
+    assert not torch.equal(corpus.batch(0, 0, 1)[0], corpus.batch(1, 0, 1)[0])
+
+
+def test_lr_schedule() -> None:
+    factors = [train.lr_factor(s, warmup=4, total=20, min_ratio=0.1) for s in range(20)]
+    assert factors[:4] == [0.25, 0.5, 0.75, 1.0]
+    assert all(a >= b for a, b in zip(factors[3:], factors[4:], strict=False))
+    assert math.isclose(factors[-1], 0.1)
+
+
+@pytest.fixture
+def fake_mesh() -> Iterator[DeviceMesh]:
+    """This process as rank 1 of 2; the fake group's collectives move no data."""
+    assert not dist.is_initialized(), "a test left a default process group behind"
+    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=2)
+    try:
+        yield DeviceMesh("cpu", torch.arange(2))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_meta_init_matches_unsharded(fake_mesh: DeviceMesh, tie: bool) -> None:
+    config = llama.LlamaConfig(dim=32, n_layers=2, n_heads=2, max_seq_len=16, tie_embeddings=tie)
+    reference = llama.Llama(config)
+    llama.init_weights(reference, seed=5)
+    with torch.device("meta"):
+        model = llama.Llama(config)
+    for block in model.layers:
+        fully_shard(block, mesh=fake_mesh)
+    fully_shard(model, mesh=fake_mesh)
+    model.to_empty(device="cpu")  # parameters and buffers now hold garbage
+    llama.init_weights(model, seed=5)
+
+    expected = dict(reference.named_parameters())
+    for name, param in model.named_parameters():
+        assert isinstance(param, DTensor), name
+        assert torch.equal(param.to_local(), torch.chunk(expected[name], 2)[1]), name
+    assert (model.output.weight is model.tok_embeddings.weight) == tie
+    for got, want in zip(model.buffers(), reference.buffers(), strict=True):
+        assert torch.equal(got, want)  # the rotary tables, recomputed after to_empty
+    assert not any("rotary" in key for key in model.state_dict())  # non-persistent
