@@ -14,6 +14,7 @@ from .policy import MixedPrecisionPolicy, OffloadPolicy
 from .state import FSDPState, get_fsdp_state
 from .state_dict import register_load_state_dict_hook
 from .validate import (
+    SHARDED_AS,
     check_module,
     check_params,
     check_policies,
@@ -78,8 +79,8 @@ def fully_shard(
     device = device_from_mesh(mesh)
     ignored = set(ignored_params or ())
     named_params = [(fqn, p) for fqn, p in _unowned_params(module) if p not in ignored]
-    check_params(named_params, device, mp_policy)
     _check_no_param_shared_with_nested_group(module)
+    check_params(named_params, device, mp_policy)
 
     state = FSDPState(module, mesh_info, device, reshard_after_forward, mp_policy)
     if named_params:
@@ -88,6 +89,8 @@ def fully_shard(
             FSDPParam(param, fqn, slots[id(param)], mesh_info, device, mp_policy, offload_policy)
             for fqn, param in named_params
         ]
+        for fqn, param in named_params:
+            param.__dict__[SHARDED_AS] = f"{fqn!r} of {type(module).__name__}"
         state.param_group = FSDPParamGroup(
             fsdp_params,
             module,
@@ -125,14 +128,10 @@ def _nested_states(module: nn.Module) -> list[FSDPState]:
 
 
 def _unowned_params(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    """Parameters of ``module`` that no nested ``fully_shard`` call took, with their names."""
-    owned = {
-        id(fsdp_param.sharded_param)
-        for state in _nested_states(module)
-        if state.param_group is not None
-        for fsdp_param in state.param_group.fsdp_params
-    }
-    return [(fqn, p) for fqn, p in module.named_parameters() if id(p) not in owned]
+    """Parameters of ``module`` outside every nested ``fully_shard``'d module, with
+    their names: what a nested call took or chose to ignore is not ours."""
+    nested = {id(p) for state in _nested_states(module) for p in state.module.parameters()}
+    return [(fqn, p) for fqn, p in module.named_parameters() if id(p) not in nested]
 
 
 def _module_slots(
@@ -191,11 +190,18 @@ class UnshardHandle:
 
     def __init__(self, group: FSDPParamGroup | None) -> None:
         self._group = group
+        # The all-gather this handle is for; None if there was nothing to start.
+        self._all_gather = group._all_gather if group is not None else None
 
     def wait(self) -> None:
-        if self._group is not None:
-            self._group.wait_for_unshard()
-            self._group = None
+        """Idempotent, and a no-op once the module's forward has used the all-gather."""
+        group, self._group = self._group, None
+        if (
+            group is not None
+            and self._all_gather is not None
+            and group._all_gather is self._all_gather
+        ):
+            group.wait_for_unshard()
 
 
 class FSDPModule:
@@ -212,9 +218,9 @@ class FSDPModule:
             async_op: return a handle whose ``wait()`` finishes the all-gather
                 instead of waiting here. (Default: False)
         """
-        state = self._fsdp_state
-        state.lazy_init()
-        group = state.param_group
+        # No lazy init: called on a block before the first forward, that would
+        # make the block a root. The group's own context serves until then.
+        group = self._fsdp_state.param_group
         if group is not None:
             group.unshard()
         handle = UnshardHandle(group)

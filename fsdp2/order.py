@@ -12,12 +12,14 @@ When on (``TORCH_DISTRIBUTED_DEBUG=DETAIL``, or ``set_check_execution_order``
 on the root), every collective is preceded by a tiny all-gather of (kind,
 group index, numel) over the same process group, and all ranks raise together
 when they disagree, until the first *training iteration* has been seen whole:
-the collectives of forwards with grad enabled and of the backward that
-follows, up to a final callback in which gradients were reduce-scattered.
-That sequence is the reference. Later training iterations cost nothing across
-ranks: each rank compares its sequence with its reference and warns once if it
-deviates. Forwards without grad and backwards without gradient sync are not
-compared (they legitimately differ from a training iteration).
+forwards with grad enabled and the backward that follows, up to a final
+callback in which gradients were reduce-scattered. The order in which that
+iteration *used* all-gathers and issued reductions (the modules' execution
+order, whatever prefetching guessed) is the reference. Later training
+iterations cost nothing across ranks: each rank compares its use order with
+the reference and warns once if it deviates. Forwards without grad and
+backwards without gradient sync are not compared (they legitimately differ
+from a training iteration).
 """
 
 from __future__ import annotations
@@ -64,20 +66,23 @@ class ExecutionOrderCheck:
         self._current = []
 
     def before_collective(
-        self,
-        kind: str,
-        group: FSDPParamGroup,
-        process_group: dist.ProcessGroup,
-        numel: int,
-        in_training: bool,
+        self, kind: str, group: FSDPParamGroup, process_group: dist.ProcessGroup, numel: int
     ) -> None:
-        """``in_training``: issued by a forward with grad enabled or by a backward."""
-        entry = (_KINDS.index(kind), self._index[id(group)])
-        position = len(self._current)
+        """Until the reference exists: all ranks must be issuing the same collective."""
         if self._reference is None:
+            position = len(self._current)
+            entry = (_KINDS.index(kind), self._index[id(group)])
             self._check_across_ranks(entry, position, process_group, numel, group)
+
+    def record(self, kind: str, group: FSDPParamGroup, in_training: bool) -> None:
+        """A collective's result is used (an all-gather) or one is issued (a
+        reduction). Recorded in use order, which follows the modules' execution
+        order and so does not depend on how far ahead prefetching guessed.
+        ``in_training``: by a forward with grad enabled, or by a backward."""
         if not in_training:
             return
+        entry = (_KINDS.index(kind), self._index[id(group)])
+        position = len(self._current)
         self._current.append(entry)
         reference = self._reference
         if reference is not None and (position >= len(reference) or reference[position] != entry):

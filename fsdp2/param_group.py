@@ -97,10 +97,7 @@ class FSDPParamGroup:
             inputs = [p.all_gather_input for p in self.fsdp_params]
             slot_numels = [p.padded_shard_numel for p in self.fsdp_params]
         if (check := self.ctx.order_check) is not None:
-            in_training = torch.is_grad_enabled() or self.ctx.final_callback_queued
-            check.before_collective(
-                "all-gather", self, info.shard_group, sum(slot_numels), in_training
-            )
+            check.before_collective("all-gather", self, info.shard_group, sum(slot_numels))
         logger.debug("%s: all-gather issued (%s)", self.name, self.sharded_state.name)
         self._all_gather = all_gather(
             inputs,
@@ -122,6 +119,9 @@ class FSDPParamGroup:
         world_size = self._unshard_world_size()
         # Wait before allocating: if the collective fails, nothing is left allocated.
         self._all_gather.in_flight.wait()
+        if (check := self.ctx.order_check) is not None:
+            in_training = torch.is_grad_enabled() or self.ctx.final_callback_queued
+            check.record("all-gather", self, in_training)
         with torch.profiler.record_function(f"fsdp2::all_gather_copy_out ({self.name})"):
             outputs = [p.alloc_unsharded().view(world_size, -1) for p in self.fsdp_params]
             copy_out(self._all_gather, outputs)
@@ -264,7 +264,8 @@ class FSDPParamGroup:
                 info = self.mesh_info
                 if (check := self.ctx.order_check) is not None:
                     numel = sum(p.padded_shard_numel for p in reduced) * info.shard_world_size
-                    check.before_collective("reduce-scatter", self, info.shard_group, numel, True)
+                    check.before_collective("reduce-scatter", self, info.shard_group, numel)
+                    check.record("reduce-scatter", self, in_training=True)
                 logger.debug("%s: reduce-scatter issued for %d grads", self.name, len(grads))
                 self.ctx.reduce_scatter_in_flight = (
                     self,

@@ -48,6 +48,7 @@ class RootContext:
         # this iteration's, and the successor of each in the previous iteration's.
         self.pre_forward_order: list[FSDPParamGroup] = []
         self.next_in_forward: dict[FSDPParamGroup, FSDPParamGroup] = {}
+        self.forward_started: set[FSDPParamGroup] = set()
         # Gradient reduction, at most one group per stage in flight (see finish_reduce_scatter).
         self.reduce_scatter_in_flight: tuple[FSDPParamGroup, ReduceInFlight] | None = None
         self.all_reduce_in_flight: ReduceInFlight | None = None
@@ -88,6 +89,7 @@ class RootContext:
         self.forward_root = None
         self.post_forward_order.clear()
         self.pre_forward_order.clear()
+        self.forward_started.clear()
         self.final_callback_queued = False
         if self.order_check is not None:
             self.order_check.discard_iteration()
@@ -114,9 +116,9 @@ class RootContext:
             group.add_partial_grads(reduced)
             self.finish_all_reduce()
             if (check := self.order_check) is not None:
-                check.before_collective(
-                    "all-reduce", group, replicate_group, reduced.output.numel()
-                )
+                numel = reduced.output.numel()
+                check.before_collective("all-reduce", group, replicate_group, numel)
+                check.record("all-reduce", group, in_training=True)
             self.all_reduce_in_flight = all_reduce(reduced, replicate_group, self.comm, group.name)
 
     def finish_all_reduce(self) -> None:
@@ -138,6 +140,7 @@ class RootContext:
         if order:
             self.next_in_forward = dict(zip(order, order[1:], strict=False))
             self.pre_forward_order = []
+        self.forward_started.clear()
 
     def queue_final_callback(self) -> None:
         """Once per backward: run :meth:`_final_callback` when the engine is done."""
@@ -262,9 +265,12 @@ class FSDPState:
             return group.pre_forward(args, kwargs)  # recomputation inside backward
         args, kwargs = group.pre_forward(args, kwargs)
         self.ctx.pre_forward_order.append(group)
+        self.ctx.forward_started.add(group)
         if self.forward_prefetch is None:
-            # Implicit: the group that ran next last iteration (see [Note: forward prefetch]).
-            if (target := self.ctx.next_in_forward.get(group)) is not None:
+            # Implicit: the group that ran next last iteration (see [Note: forward prefetch]),
+            # unless it already ran in this forward (the order changed).
+            target = self.ctx.next_in_forward.get(group)
+            if target is not None and target not in self.ctx.forward_started:
                 target.unshard()
         else:
             for state in self.forward_prefetch:

@@ -8,6 +8,10 @@ from torch.distributed.tensor import DTensor
 
 from .policy import MixedPrecisionPolicy, OffloadPolicy
 
+# Set on an original parameter when it is sharded: a later fully_shard call
+# that meets the same object (tied to a module outside that group) refuses it.
+SHARDED_AS = "_fsdp2_sharded_as"
+
 
 def check_module(module: nn.Module) -> None:
     if not isinstance(module, nn.Module):
@@ -96,6 +100,12 @@ def check_params(
             "MixedPrecisionPolicy(param_dtype=...)."
         )
     for fqn, param in named_params:
+        if (owner := param.__dict__.get(SHARDED_AS)) is not None:
+            raise ValueError(
+                f"fully_shard: parameter {fqn!r} is the same Parameter as {owner}, which an "
+                "earlier fully_shard call already sharded (tied modules in two groups). Shard the "
+                "modules that share it in one call (their common parent), or untie them."
+            )
         if isinstance(param, DTensor):
             raise ValueError(
                 f"fully_shard: parameter {fqn!r} is already a DTensor (placements "

@@ -239,14 +239,15 @@ def _prefetch_and_peak(rank: int, world_size: int) -> None:
             assert probe.peak("forward") <= 2, f"more than two blocks unsharded: {samples}"
             assert probe.peak("backward") <= 2, f"more than two blocks unsharded: {samples}"
             # The probe does see the prefetch: in backward a block and the one
-            # before it always overlap; in forward only when prefetched explicitly.
+            # before it always overlap; in forward too, by default from the second
+            # step on (the next block of the previous forward) or explicitly.
             assert probe.peak("backward") == 2, f"no backward prefetch seen: {samples}"
-            assert probe.peak("forward") == (2 if explicit else 1), f"forward: {samples}"
+            assert probe.peak("forward") == 2, f"no forward prefetch seen: {samples}"
 
 
 @pytest.mark.parametrize("world_size", [WORLD_SIZE])
 def test_prefetch_and_peak_unsharded_blocks(world_size: int, tmp_path: Path) -> None:
-    """With the default (implicit backward) prefetch and with explicit
+    """With the default (implicit forward and backward) prefetch and with explicit
     set_modules_to_forward_prefetch / set_modules_to_backward_prefetch (block i
     prefetches i + 1 in forward and i - 1 in backward): losses and parameters
     match the reference, the all-gather count is unchanged, and at most the

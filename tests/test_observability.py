@@ -262,7 +262,7 @@ def _summary_and_comm_stats(rank: int, world_size: int, mesh: DeviceMesh) -> Non
                 model(local_batch(global_batch(KIND, 9), rank, world_size)[0])
             model.train()
             assert len(stats.steps) == 2, stats.steps
-            totals = stats.totals()
+            totals = {("" if k == "(root)" else k): v for k, v in stats.totals().items()}
             for group in GROUPS:
                 ag = totals[group].all_gather
                 assert ag.count == 2 * all_gathers[group] + 1, f"{group!r}: {ag}"

@@ -329,7 +329,7 @@ def _execution_order(rank: int, world_size: int) -> None:
             assert len(messages) == 1, messages
             assert re.search(
                 r"collective #2 of the iteration is the all-gather of 'layers\.2', but in the "
-                r"first iteration it was all-gather of 'layers\.1'.*\(Warned once\.\)",
+                r"reference iteration it was all-gather of 'layers\.1'.*\(Warned once\.\)",
                 messages[0],
             ), messages[0]
         else:
@@ -702,11 +702,13 @@ def _dead_peer_worker(rank: int, world_size: int, tmp_dir: Path, fault: str) -> 
 @pytest.mark.parametrize(
     ("fault", "collective", "gloo_says"),
     [
-        # layers.1's all-gather was prefetched (and finished) before rank 1 left;
-        # rank 0 is stuck on the one it prefetches next.
-        pytest.param("exit in forward", "all-gather of 'layers.2'", "", id="exit-in-forward"),
-        pytest.param("exit in backward", "reduce-scatter of 'layers.2'", "", id="exit-in-backward"),
-        pytest.param("hang in forward", "all-gather of 'layers.2'", "Timed out", id="hang"),
+        # layers.1's all-gather was prefetched before rank 1 left: whether it
+        # finished in time is a race, so rank 0 fails on it or on the next one.
+        pytest.param("exit in forward", r"all-gather of 'layers\.[12]'", "", id="exit-in-forward"),
+        pytest.param(
+            "exit in backward", r"reduce-scatter of 'layers\.2'", "", id="exit-in-backward"
+        ),
+        pytest.param("hang in forward", r"all-gather of 'layers\.[12]'", "Timed out", id="hang"),
     ],
 )
 def test_dead_peer_fails_within_timeout(
@@ -749,7 +751,9 @@ def test_dead_peer_fails_within_timeout(
         raise AssertionError(f"rank 0 left no result (exit codes {[p.exitcode for p in procs]})")
     outcome = json.loads(result.read_text())
     assert outcome["type"] == "RuntimeError", outcome
-    assert f"fsdp2 (rank 0): the {collective} failed or timed out" in outcome["message"], outcome
+    assert re.search(
+        rf"fsdp2 \(rank 0\): the {collective} failed or timed out", outcome["message"]
+    ), outcome
     assert "A peer rank may have died" in outcome["message"], outcome
     assert gloo_says in outcome["message"], outcome
     timeout = FSDP_GROUP_TIMEOUT.total_seconds()

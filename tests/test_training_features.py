@@ -879,28 +879,20 @@ def fake_mesh() -> Iterator[DeviceMesh]:
         dist.destroy_process_group()
 
 
-def _torch_and_fsdp2(fsdp2_bug: str, raises: type[Exception]) -> pytest.MarkDecorator:
-    """Parametrizes ``shard`` with torch's fully_shard and fsdp2's, the latter
-    an expected failure (raising ``raises``) for ``fsdp2_bug``."""
+def _torch_and_fsdp2(behaviour: str) -> pytest.MarkDecorator:
+    """Parametrizes ``shard`` with torch's fully_shard and fsdp2's: both must show
+    ``behaviour`` (fsdp2 once got each of these wrong)."""
     return pytest.mark.parametrize(
         "shard",
         [
             pytest.param(torch_fully_shard, id="torch"),
-            pytest.param(
-                fsdp2.fully_shard,
-                id="fsdp2",
-                marks=pytest.mark.xfail(
-                    reason=f"fsdp2 bug: {fsdp2_bug}", raises=raises, strict=True
-                ),
-            ),
+            pytest.param(fsdp2.fully_shard, id="fsdp2"),
         ],
     )
 
 
 @_torch_and_fsdp2(
-    "the parent's fully_shard takes a parameter that a child's "
-    "fully_shard(ignored_params=...) ignored; torch leaves it ignored",
-    AssertionError,
+    "a parameter that a child's fully_shard(ignored_params=...) ignored stays ignored by the parent"
 )
 def test_ignored_in_child_stays_ignored(fake_mesh: DeviceMesh, shard) -> None:
     """fully_shard(child, ignored_params={p}) then fully_shard(parent): torch
@@ -912,28 +904,22 @@ def test_ignored_in_child_stays_ignored(fake_mesh: DeviceMesh, shard) -> None:
     assert not isinstance(model.layers[1].weight, DTensor), "the parent sharded it"
 
 
-@pytest.mark.xfail(
-    reason="docs/usage.md says it is rejected, but a Parameter shared by two sibling "
-    "groups is not (torch does not reject it either): the second group silently shards "
-    "its own copy and the tie is lost",
-    raises=pytest.fail.Exception,
-    strict=True,
-)
 def test_param_shared_between_sibling_groups_raises(fake_mesh: DeviceMesh) -> None:
-    """docs/usage.md: 'A parameter shared between two groups is rejected inside
-    fully_shard with both names': with a.weight is b.weight, fully_shard(a),
-    fully_shard(b), fully_shard(parent) must raise, naming both."""
+    """docs/usage.md: a parameter shared between two groups is rejected inside
+    fully_shard: with a.weight is b.weight, fully_shard(a) then fully_shard(b)
+    raises (siblings do not know each other's paths, so the message names the
+    parameter and the class of the module that sharded it first)."""
     model = TwoLinears()
     fsdp2.fully_shard(model.a, mesh=fake_mesh)
-    with pytest.raises(ValueError, match=r"b\.weight.*a\.weight|a\.weight.*b\.weight"):
+    with pytest.raises(
+        ValueError, match=r"'weight' is the same Parameter as 'weight' of Linear.*already sharded"
+    ):
         fsdp2.fully_shard(model.b, mesh=fake_mesh)
-        fsdp2.fully_shard(model, mesh=fake_mesh)
+    assert type(model.b) is nn.Linear  # refused before any change
 
 
 @_torch_and_fsdp2(
-    "unshard() on a block before the model's first forward makes the block a root, "
-    "and the first forward then raises",
-    RuntimeError,
+    "unshard() on a block before the model's first forward does not make the block a root"
 )
 def test_unshard_block_before_first_forward(fake_mesh: DeviceMesh, shard) -> None:
     """Prefetching a block by hand before the very first step, as
@@ -945,9 +931,7 @@ def test_unshard_block_before_first_forward(fake_mesh: DeviceMesh, shard) -> Non
 
 
 @_torch_and_fsdp2(
-    "UnshardHandle.wait() after the module's forward already waited for the "
-    "all-gather raises; torch's is a no-op",
-    AssertionError,
+    "UnshardHandle.wait() after the module's forward already waited for the all-gather is a no-op"
 )
 def test_unshard_handle_waited_after_forward(fake_mesh: DeviceMesh, shard) -> None:
     """torch's forward waits for a pending unshard itself, so a handle waited
