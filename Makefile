@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 # `torch` or an open range would pull a multi-GB CUDA build.
 TORCH_PIN := torch==2.13.0
 
-.PHONY: setup test test-fast demo lint format clean
+.PHONY: setup test test-fast demo bench lint format clean
 
 setup: $(VENV)/.installed
 
@@ -23,6 +23,12 @@ test-fast: setup
 # 2 CPU ranks on gloo, spawned by the script itself (no torchrun); output in runs/<timestamp>/.
 demo: setup
 	$(PY) scripts/train.py --nproc 2
+
+# fsdp2 vs torch's fully_shard vs DDP vs the no-communication floor (2 gloo ranks,
+# about a minute), then the hooks' CPU overhead (1 rank, 64 tiny groups).
+bench: setup
+	$(PY) scripts/bench.py
+	$(PY) scripts/bench_overhead.py
 
 lint: setup
 	$(VENV)/bin/ruff check fsdp2 tests scripts

@@ -123,6 +123,20 @@ def theoretical_bytes(model: nn.Module, reshard_after_forward: str) -> dict[str,
     return {"all_gather_single": root + block + regathered, "reduce_scatter_single": root + block}
 
 
+def implied_peak_bytes(model: nn.Module, floor_peak: int, world_size: int) -> int:
+    """The least memory an FSDP step can peak at, from the sizes: sharded
+    parameters, gradients and AdamW's two states; the root's unsharded
+    parameters and gradients (kept from forward to backward) plus two blocks'
+    (the one computing and the one prefetched) and one block's gradients; and
+    the activations, taken as the floor contender's peak minus its four
+    full-size copies of the parameters."""
+    block = sum(p.numel() * p.element_size() for p in model.layers[0].parameters())
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    root = total - block * len(model.layers)
+    activations = floor_peak - 4 * total
+    return 4 * total // world_size + 2 * root + 2 * block + block + activations
+
+
 def worker(rank: int, args: argparse.Namespace, store: str, result_path: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group(
@@ -193,11 +207,13 @@ def worker(rank: int, args: argparse.Namespace, store: str, result_path: str) ->
     peak = {name: peak_memory(train_step, name, models[name], optims[name]) for name in CONTENDERS}
 
     expected = theoretical_bytes(models["floor"], args.reshard_after_forward)
+    implied = implied_peak_bytes(models["floor"], peak["floor"], args.world_size)
     if rank == 0:
         result = {
             "args": vars(args),
             "step_time_s": {k: statistics.median(v) for k, v in slowest.items()},
             "peak_memory_bytes": peak,
+            "implied_peak_bytes": implied,
             "comm_bytes": comm_bytes,
             "theoretical_comm_bytes": expected,
             "final_loss": {k: v[-1] for k, v in losses.items()},
@@ -255,6 +271,11 @@ def report(result: dict) -> None:
         )
     console = Console(width=120)
     console.print(table)
+    implied = result["implied_peak_bytes"]
+    console.print(
+        f"peak memory implied by the sizes: {implied / 2**20:.1f} MiB; fsdp2 / implied = "
+        f"{peak['fsdp2'] / implied:.3f}, torch / implied = {peak['torch'] / implied:.3f}"
+    )
     console.print(
         f"theoretical per step (unpadded): all-gather "
         f"{expected['all_gather_single'] / 2**20:.2f} MiB, reduce-scatter "
