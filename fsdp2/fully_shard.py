@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from .common import MeshInfo, device_from_mesh, post_forward_mesh_info
+from .common import MeshInfo, ShardedState, device_from_mesh, post_forward_mesh_info
 from .param import FSDPParam, ModuleSlot
 from .param_group import FSDPParamGroup
 from .policy import MixedPrecisionPolicy, OffloadPolicy
@@ -83,6 +84,9 @@ def fully_shard(
     check_params(named_params, device, mp_policy)
 
     state = FSDPState(module, mesh_info, device, reshard_after_forward, mp_policy)
+    for nested in _nested_states(module):
+        if nested.parent is None:
+            nested.parent = state
     if named_params:
         slots = _module_slots(module, named_params)
         fsdp_params = [
@@ -180,8 +184,32 @@ def _check_no_param_shared_with_nested_group(module: nn.Module) -> None:
 def _swap_class(module: nn.Module) -> None:
     cls = type(module)
     if cls not in _FSDP_CLASSES:
-        _FSDP_CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+        namespace = {"forward": _checked_forward(cls.forward)}
+        _FSDP_CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), namespace)
     module.__class__ = _FSDP_CLASSES[cls]
+
+
+def _checked_forward(forward):
+    """``forward`` that refuses to run without fully_shard's forward pre-hook
+    (``model.forward(x)`` instead of ``model(x)``): it would compute with the
+    sharded DTensors and fail deep inside an operator, or worse."""
+
+    @functools.wraps(forward)
+    def checked(self, *args: Any, **kwargs: Any) -> Any:
+        state = self.__dict__["_fsdp_state"]
+        group = state.param_group
+        if state.ctx.forward_root is None or (
+            group is not None and group.sharded_state is not ShardedState.UNSHARDED
+        ):
+            raise RuntimeError(
+                f"fsdp2: {type(self).__name__}.forward ran without fully_shard's hooks, so its "
+                "parameters are still sharded. Call the module, model(...), not "
+                "model.forward(...); for another method than forward, use "
+                "register_fsdp_forward_method."
+            )
+        return forward(self, *args, **kwargs)
+
+    return checked
 
 
 class UnshardHandle:

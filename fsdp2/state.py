@@ -195,6 +195,8 @@ class FSDPState:
         self.ctx = RootContext(device)
         self.param_group: FSDPParamGroup | None = None
         self.is_root: bool | None = None  # decided at lazy init
+        # The state of the closest enclosing fully_shard call, once there is one.
+        self.parent: FSDPState | None = None
         # None: prefetch implicitly, the group that ran next in the previous forward.
         self.forward_prefetch: list[FSDPState] | None = None
         self.backward_prefetch: list[FSDPState] = []
@@ -207,6 +209,13 @@ class FSDPState:
         """Makes this state the root of every state below it (first forward only)."""
         if self.is_root is not None:
             return
+        if self.parent is not None:
+            raise RuntimeError(
+                f"fsdp2: the forward of a sharded {type(self.module).__name__} ran before the "
+                f"forward of {type(self.parent.module).__name__}, the sharded module that "
+                "contains it. Call the outermost sharded module as model(...) for the first "
+                "forward, not model.forward(...) (that skips its hooks) and not a submodule."
+            )
         self.is_root = True
         ctx = self.ctx
         for name, module in self.module.named_modules():

@@ -361,6 +361,18 @@ def fake_mesh() -> Iterator[DeviceMesh]:
         dist.destroy_process_group()
 
 
+def test_root_forward_called_directly_raises(fake_mesh: DeviceMesh) -> None:
+    """model.forward(x) skips the root's hooks, so a block's forward would run
+    first and become a root of its own: refused, saying what to call instead."""
+    model = shard_net(build_net(), _one_rank_mesh())
+    with pytest.raises(RuntimeError, match=r"FSDPNet\.forward ran without fully_shard's hooks"):
+        model.forward(global_batch(0)[0])
+    with pytest.raises(RuntimeError, match=r"FSDPBlock ran before the forward of FSDPNet.*not a submodule"):
+        model.layers[0](torch.randn(2, DIM))
+    model.reset_iter_state()
+    model(global_batch(0)[0])  # the right call works
+
+
 def test_deepcopy_raises(fake_mesh: DeviceMesh) -> None:
     model = shard_net(build_net(), fake_mesh)
     for module in (model, model.layers[1]):
