@@ -367,7 +367,9 @@ def test_root_forward_called_directly_raises(fake_mesh: DeviceMesh) -> None:
     model = shard_net(build_net(), _one_rank_mesh())
     with pytest.raises(RuntimeError, match=r"FSDPNet\.forward ran without fully_shard's hooks"):
         model.forward(global_batch(0)[0])
-    with pytest.raises(RuntimeError, match=r"FSDPBlock ran before the forward of FSDPNet.*not a submodule"):
+    with pytest.raises(
+        RuntimeError, match=r"FSDPBlock ran before the forward of FSDPNet.*not a submodule"
+    ):
         model.layers[0](torch.randn(2, DIM))
     model.reset_iter_state()
     model(global_batch(0)[0])  # the right call works
