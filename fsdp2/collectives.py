@@ -72,15 +72,16 @@ def all_gather(
 
 @torch.no_grad()
 def copy_out(result: AllGatherInFlight, outputs: list[torch.Tensor]) -> None:
-    """Scatters a finished all-gather into ``outputs``, each
-    ``(world_size, slot_numel)``: rank k's slot goes to row k."""
+    """Scatters a finished all-gather into ``outputs``, each rank-major
+    (``FSDPParam.rank_major``): rank k's slot goes to row k."""
     world_size = outputs[0].size(0)
-    torch.split_with_sizes_copy(
-        result.all_gather_output.view(world_size, -1),
-        [out.size(1) for out in outputs],
-        dim=1,
-        out=outputs,
-    )
+    gathered = result.all_gather_output.view(world_size, -1)
+    slot_numels = [out[0].numel() for out in outputs]
+    if all(out.dim() == 2 for out in outputs):  # every parameter sharded on dim 0
+        torch.split_with_sizes_copy(gathered, slot_numels, dim=1, out=outputs)
+        return
+    for src, out in zip(gathered.split(slot_numels, dim=1), outputs, strict=True):
+        out.copy_(src.view(out.shape))
 
 
 @torch.no_grad()
@@ -93,7 +94,8 @@ def reduce_scatter(
     comm: CommContext,
     group_name: str = "",
 ) -> ReduceInFlight:
-    """Packs the gradients rank-major and starts the (summing) reduce-scatter.
+    """Packs the gradients (unsharded-shaped) rank-major and starts the
+    (summing) reduce-scatter.
 
     The caller drops its references to ``unsharded_grads`` afterwards: the
     packed copy is all the collective needs.
@@ -103,8 +105,13 @@ def reduce_scatter(
     reduce_scatter_input = torch.empty(
         (world_size, shard_numel), dtype=grad.dtype, device=grad.device
     )
-    # Empty gradients have empty slots; the fused copy rejects them.
-    nonempty = [g for g in unsharded_grads if g.numel() > 0]
+    # Empty gradients have empty slots; the fused copy rejects them. It pads and
+    # chunks dim 0: a gradient sharded on another dim goes in as its rank-major view.
+    nonempty = [
+        g if p.shard_dim == 0 else p.rank_major(g, world_size)
+        for p, g in zip(fsdp_params, unsharded_grads, strict=True)
+        if g.numel() > 0
+    ]
     if nonempty:
         chunk_cat_(nonempty, world_size, out=reduce_scatter_input)
     if grad.dtype.itemsize < 4:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Shard
 
 from .common import MeshInfo, ShardedState, device_from_mesh, post_forward_mesh_info
 from .param import FSDPParam, ModuleSlot
@@ -21,6 +23,7 @@ from .validate import (
     check_policies,
     check_reshard_after_forward,
     resolve_mesh,
+    shard_dims,
 )
 
 # Generated FSDP<Name> classes, one per original class, so that type checks
@@ -36,6 +39,7 @@ def fully_shard(
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),  # noqa: B008 (frozen)
     ignored_params: set[nn.Parameter] | None = None,
     offload_policy: OffloadPolicy = OffloadPolicy(),  # noqa: B008 (frozen)
+    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
 ) -> FSDPModule:
     """Shards ``module``'s parameters over ``mesh`` and communicates them as one group.
 
@@ -66,6 +70,15 @@ def fully_shard(
             all-gathered, not reduced. (Default: None)
         offload_policy: ``CPUOffloadPolicy()`` keeps sharded parameters,
             gradients and optimizer state on the CPU. (Default: no offload)
+        shard_placement_fn: called with each parameter; returns the
+            ``Shard(dim)`` to shard it on, or None for ``Shard(0)`` (e.g. an
+            expert weight whose dim 0 is small). Dims other than 0 must split
+            evenly over the mesh. (Default: None, every parameter on dim 0)
+
+    Parameters that are already DTensors (tensor parallelism, from
+    ``parallelize_module`` on ``mesh["tp"]`` of the mesh whose ``mesh["dp"]``
+    is passed here) are sharded over ``mesh`` too and become DTensors on the
+    joined ``(dp, tp)`` mesh; forward computes with their TP layout.
 
     Returns:
         The same module, now an ``FSDPModule``.
@@ -81,7 +94,8 @@ def fully_shard(
     ignored = set(ignored_params or ())
     named_params = [(fqn, p) for fqn, p in _unowned_params(module) if p not in ignored]
     _check_no_param_shared_with_nested_group(module)
-    check_params(named_params, device, mp_policy)
+    check_params(named_params, mesh, device, mp_policy)
+    dims = shard_dims(named_params, shard_placement_fn, mesh_info.shard_world_size)
 
     state = FSDPState(module, mesh_info, device, reshard_after_forward, mp_policy)
     for nested in _nested_states(module):
@@ -90,8 +104,10 @@ def fully_shard(
     if named_params:
         slots = _module_slots(module, named_params)
         fsdp_params = [
-            FSDPParam(param, fqn, slots[id(param)], mesh_info, device, mp_policy, offload_policy)
-            for fqn, param in named_params
+            FSDPParam(
+                param, fqn, slots[id(param)], mesh_info, device, mp_policy, offload_policy, dim
+            )
+            for (fqn, param), dim in zip(named_params, dims, strict=True)
         ]
         for fqn, param in named_params:
             param.__dict__[SHARDED_AS] = f"{fqn!r} of {type(module).__name__}"

@@ -123,7 +123,7 @@ class FSDPParamGroup:
             in_training = torch.is_grad_enabled() or self.ctx.final_callback_queued
             check.record("all-gather", self, in_training)
         with torch.profiler.record_function(f"fsdp2::all_gather_copy_out ({self.name})"):
-            outputs = [p.alloc_unsharded().view(world_size, -1) for p in self.fsdp_params]
+            outputs = [p.rank_major(p.alloc_unsharded(), world_size) for p in self.fsdp_params]
             copy_out(self._all_gather, outputs)
         self._all_gather = None
         self._post_forward_shard = None
@@ -151,7 +151,7 @@ class FSDPParamGroup:
         parameters), then frees them."""
         info = self.post_forward_mesh_info
         blocks = [
-            p.alloc_unsharded().view(info.shard_world_size, -1)[info.shard_rank]
+            p.rank_major(p.alloc_unsharded(), info.shard_world_size)[info.shard_rank].reshape(-1)
             for p in self.fsdp_params
         ]
         self._post_forward_shard = torch.cat(blocks)

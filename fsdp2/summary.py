@@ -47,7 +47,7 @@ def summary(model: nn.Module, *, print_table: bool = True) -> list[GroupSummary]
         world_size = group.mesh_info.shard_world_size
         itemsize = group.param_dtype.itemsize
         gathered_numel = sum(p.padded_shard_numel for p in params) * world_size
-        numel = sum(p.orig_size.numel() for p in params)
+        numel = sum(p.unsharded_size.numel() for p in params)  # TP: this rank's part
         rows.append(
             GroupSummary(
                 module=path,
