@@ -8,7 +8,7 @@ from typing import Any
 
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import DTensor, Shard
 
 from .common import MeshInfo, ShardedState, device_from_mesh, post_forward_mesh_info
 from .param import FSDPParam, ModuleSlot
@@ -18,6 +18,7 @@ from .state import FSDPState, get_fsdp_state
 from .state_dict import register_load_state_dict_hook
 from .validate import (
     SHARDED_AS,
+    check_min_numel_to_shard,
     check_module,
     check_params,
     check_policies,
@@ -40,6 +41,7 @@ def fully_shard(
     ignored_params: set[nn.Parameter] | None = None,
     offload_policy: OffloadPolicy = OffloadPolicy(),  # noqa: B008 (frozen)
     shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
+    min_numel_to_shard: int = 0,
 ) -> FSDPModule:
     """Shards ``module``'s parameters over ``mesh`` and communicates them as one group.
 
@@ -74,6 +76,11 @@ def fully_shard(
             ``Shard(dim)`` to shard it on, or None for ``Shard(0)`` (e.g. an
             expert weight whose dim 0 is small). Dims other than 0 must split
             evenly over the mesh. (Default: None, every parameter on dim 0)
+        min_numel_to_shard: parameters with fewer elements (of their TP-local
+            part, for a DTensor) are not sharded but kept whole on every rank
+            as ``Replicate()`` DTensors, and their gradients all-reduced: for
+            norm weights and biases, whose tiny shards cost padding and
+            per-parameter copies for no memory saved. (Default: 0, shard all)
 
     Parameters that are already DTensors (tensor parallelism, from
     ``parallelize_module`` on ``mesh["tp"]`` of the mesh whose ``mesh["dp"]``
@@ -96,6 +103,7 @@ def fully_shard(
     _check_no_param_shared_with_nested_group(module)
     check_params(named_params, mesh, device, mp_policy)
     dims = shard_dims(named_params, shard_placement_fn, mesh_info.shard_world_size)
+    check_min_numel_to_shard(min_numel_to_shard)
 
     state = FSDPState(module, mesh_info, device, reshard_after_forward, mp_policy)
     for nested in _nested_states(module):
@@ -105,7 +113,15 @@ def fully_shard(
         slots = _module_slots(module, named_params)
         fsdp_params = [
             FSDPParam(
-                param, fqn, slots[id(param)], mesh_info, device, mp_policy, offload_policy, dim
+                param,
+                fqn,
+                slots[id(param)],
+                mesh_info,
+                device,
+                mp_policy,
+                offload_policy,
+                shard_dim=dim,
+                replicated=_local_numel(param) < min_numel_to_shard,
             )
             for (fqn, param), dim in zip(named_params, dims, strict=True)
         ]
@@ -137,6 +153,10 @@ def _resolve_reshard_after_forward(
     if value == mesh_info.shard_world_size:
         return True, None
     return True, post_forward_mesh_info(mesh_info.mesh, value)
+
+
+def _local_numel(param: nn.Parameter) -> int:
+    return (param.to_local() if isinstance(param, DTensor) else param).numel()
 
 
 def _nested_states(module: nn.Module) -> list[FSDPState]:

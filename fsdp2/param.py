@@ -32,7 +32,7 @@ from typing import NamedTuple
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .common import MeshInfo, chunk_rows, local_rows
 from .policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
@@ -95,6 +95,7 @@ class FSDPParam:
         mp_policy: MixedPrecisionPolicy,
         offload_policy: OffloadPolicy,
         shard_dim: int = 0,
+        replicated: bool = False,
     ) -> None:
         self.fqn = fqn  # from the root after lazy init; from the sharded module before
         self.slots = slots
@@ -120,8 +121,13 @@ class FSDPParam:
         # What the group all-gathers: the whole parameter, or its TP-local part.
         self.unsharded_size = data.size()
         self.shard_dim = shard_dim
+        # Kept whole on every rank (``min_numel_to_shard``): not all-gathered,
+        # its gradient all-reduced. Seen as a "shard" over a world of one.
+        self.replicated = replicated
         self.mesh, self.placements = self._sharded_layout()
         world_size, rank = mesh_info.shard_world_size, mesh_info.shard_rank
+        if replicated:
+            world_size, rank = 1, 0
         dim_size = self.unsharded_size[shard_dim]
         self.chunk_rows = chunk_rows(dim_size, world_size)  # along shard_dim
         # Elements of one rank's slot in the communication buffers (padded).
@@ -161,7 +167,7 @@ class FSDPParam:
         """The mesh and placements of the sharded parameter (see [Note: FSDP over
         tensor parallelism])."""
         dp_placements = list(self.mesh_info.placements)
-        dp_placements[-1] = Shard(self.shard_dim)
+        dp_placements[-1] = Replicate() if self.replicated else Shard(self.shard_dim)
         if self.tp_spec is None:
             return self.mesh_info.mesh, tuple(dp_placements)
         tp_shards = math.prod(
@@ -169,7 +175,7 @@ class FSDPParam:
             for axis, p in enumerate(self.tp_spec.placements)
             if isinstance(p, Shard) and p.dim == self.shard_dim
         )
-        if tp_shards > 1:
+        if tp_shards > 1 and not self.replicated:
             dp_placements[-1] = strided_shard(self.shard_dim, tp_shards)
         mesh = concatenate_meshes(self.mesh_info.mesh, self.tp_spec.mesh)
         return mesh, (*dp_placements, *self.tp_spec.placements)
@@ -214,7 +220,8 @@ class FSDPParam:
         """
         if self._unsharded_padded is None:
             padded_size = list(self.unsharded_size)
-            padded_size[self.shard_dim] = self.mesh_info.shard_world_size * self.chunk_rows
+            if not self.replicated:
+                padded_size[self.shard_dim] = self.mesh_info.shard_world_size * self.chunk_rows
             self._unsharded_padded = torch.empty(
                 padded_size, dtype=self.param_dtype, device=self.device
             )
@@ -233,6 +240,11 @@ class FSDPParam:
             if storage.size() != nbytes:
                 storage.resize_(nbytes)
         return self._unsharded_padded
+
+    @torch.no_grad()
+    def copy_replicated(self) -> None:
+        """Unshards a replicated parameter: its local tensor is the whole of it."""
+        self.alloc_unsharded().copy_(self.sharded_param.to_local())
 
     def rank_major(self, tensor: torch.Tensor, world_size: int) -> torch.Tensor:
         """``tensor`` (unsharded-shaped, padded for dim 0) seen as ``world_size``

@@ -203,3 +203,10 @@ def shard_dims(
             )
         dims.append(dim)
     return dims
+
+
+def check_min_numel_to_shard(value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"min_numel_to_shard must be an int (a number of elements), got {value!r}.")
+    if value < 0:
+        raise ValueError(f"min_numel_to_shard must be >= 0, got {value}. 0 shards every parameter.")
