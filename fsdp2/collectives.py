@@ -9,6 +9,9 @@ Layouts (W = shard world size, see [Note: the padded layout] in param.py):
 - reduce-scatter: ``reduce_scatter_input`` is ``(W, shard_numel)``, row k
   holding chunk k of every gradient, padded; ``reduce_scatter_output`` is this
   rank's row after the sum.
+- replicated parameters (``min_numel_to_shard``) are not all-gathered; their
+  gradients follow the reduce-scatter output in the same buffer and are
+  all-reduced there, so the all-reduce across HSDP replicas covers both.
 """
 
 from typing import NamedTuple
@@ -32,9 +35,15 @@ class ReduceInFlight(NamedTuple):
 
     fsdp_params: list[FSDPParam]  # those whose gradients are reduced, in buffer order
     buffers: tuple[torch.Tensor, ...]  # read or written by the collective: kept until waited
-    output: torch.Tensor  # 1D, this rank's shard_numel, in reduce dtype
+    # 1D, in reduce dtype: this rank's reduce-scattered shard_numel, then the
+    # replicated parameters' whole gradients.
+    output: torch.Tensor
     divisor: int  # ranks the gradient is averaged over
-    in_flight: InFlight
+    in_flight: tuple[InFlight, ...]  # the collectives of this stage
+
+    def wait(self) -> None:
+        for in_flight in self.in_flight:
+            in_flight.wait()
 
 
 @torch.no_grad()
@@ -52,6 +61,8 @@ def all_gather(
     block of one flat buffer, casting to ``dtype``, and starts the all-gather."""
     shard_numel = sum(slot_numels)
     all_gather_output = torch.empty(world_size * shard_numel, dtype=dtype, device=comm.device)
+    if not inputs:  # every parameter of the group is replicated
+        return AllGatherInFlight(all_gather_output, InFlight.done())
     all_gather_input = all_gather_output.narrow(0, rank * shard_numel, shard_numel)
     split_sizes = []  # alternating [data, padding]: the padding slots are never read
     for x, slot_numel in zip(inputs, slot_numels, strict=True):
@@ -72,15 +83,18 @@ def all_gather(
 
 @torch.no_grad()
 def copy_out(result: AllGatherInFlight, outputs: list[torch.Tensor]) -> None:
-    """Scatters a finished all-gather into ``outputs``, each
-    ``(world_size, slot_numel)``: rank k's slot goes to row k."""
+    """Scatters a finished all-gather into ``outputs``, each rank-major
+    (``FSDPParam.rank_major``): rank k's slot goes to row k."""
+    if not outputs:
+        return
     world_size = outputs[0].size(0)
-    torch.split_with_sizes_copy(
-        result.all_gather_output.view(world_size, -1),
-        [out.size(1) for out in outputs],
-        dim=1,
-        out=outputs,
-    )
+    gathered = result.all_gather_output.view(world_size, -1)
+    slot_numels = [out[0].numel() for out in outputs]
+    if all(out.dim() == 2 for out in outputs):  # every parameter sharded on dim 0
+        torch.split_with_sizes_copy(gathered, slot_numels, dim=1, out=outputs)
+        return
+    for src, out in zip(gathered.split(slot_numels, dim=1), outputs, strict=True):
+        out.copy_(src.view(out.shape))
 
 
 @torch.no_grad()
@@ -93,36 +107,74 @@ def reduce_scatter(
     comm: CommContext,
     group_name: str = "",
 ) -> ReduceInFlight:
-    """Packs the gradients rank-major and starts the (summing) reduce-scatter.
+    """Packs the gradients (unsharded-shaped) rank-major and starts the
+    (summing) reduce-scatter; replicated parameters' gradients are packed after
+    it and all-reduced.
 
     The caller drops its references to ``unsharded_grads`` afterwards: the
-    packed copy is all the collective needs.
+    packed copies are all the collectives need.
     """
-    shard_numel = sum(p.padded_shard_numel for p in fsdp_params)
+    pairs = list(zip(fsdp_params, unsharded_grads, strict=True))
+    sharded = [(p, g) for p, g in pairs if not p.replicated]
+    replicated = [(p, g) for p, g in pairs if p.replicated]
+    shard_numel = sum(p.padded_shard_numel for p, _ in sharded)
+    replicated_numel = sum(g.numel() for _, g in replicated)
     grad = unsharded_grads[0]
+    # bf16/fp16: average before the sum so that it cannot overflow.
+    pre_divide = grad.dtype.itemsize < 4
     reduce_scatter_input = torch.empty(
         (world_size, shard_numel), dtype=grad.dtype, device=grad.device
     )
-    # Empty gradients have empty slots; the fused copy rejects them.
-    nonempty = [g for g in unsharded_grads if g.numel() > 0]
+    if world_size == 1 and not replicated:  # the input is the whole output
+        output = reduce_scatter_input.view(-1)
+    else:
+        output = torch.empty(shard_numel + replicated_numel, dtype=grad.dtype, device=grad.device)
+    # Empty gradients have empty slots; the fused copy rejects them. It pads and
+    # chunks dim 0: a gradient sharded on another dim goes in as its rank-major view.
+    nonempty = [g if p.shard_dim == 0 else p.rank_major(g, world_size) for p, g in sharded]
+    nonempty = [g for g in nonempty if g.numel() > 0]
     if nonempty:
         chunk_cat_(nonempty, world_size, out=reduce_scatter_input)
-    if grad.dtype.itemsize < 4:
-        # bf16/fp16: average before the sum so that it cannot overflow.
-        reduce_scatter_input.div_(divisor)
-    if world_size == 1:  # the input is the whole output: nothing to exchange
-        output = reduce_scatter_input.view(-1)
-        return ReduceInFlight(fsdp_params, (), output, divisor, InFlight.done())
-    output = torch.empty(shard_numel, dtype=grad.dtype, device=grad.device)
-    in_flight = comm.issue(
-        "reduce_scatter",
-        group_name,
-        reduce_scatter_input.numel() * reduce_scatter_input.element_size(),
-        lambda async_op: dist.reduce_scatter_single(
-            output, reduce_scatter_input.view(-1), group=group, async_op=async_op
-        ),
+        if pre_divide:
+            reduce_scatter_input.div_(divisor)
+    in_flight = []
+    if sharded and world_size > 1:
+        in_flight.append(
+            comm.issue(
+                "reduce_scatter",
+                group_name,
+                reduce_scatter_input.numel() * reduce_scatter_input.element_size(),
+                lambda async_op: dist.reduce_scatter_single(
+                    output.narrow(0, 0, shard_numel),
+                    reduce_scatter_input.view(-1),
+                    group=group,
+                    async_op=async_op,
+                ),
+            )
+        )
+    elif output.data_ptr() != reduce_scatter_input.data_ptr():
+        output.narrow(0, 0, shard_numel).copy_(reduce_scatter_input.view(-1))
+    if replicated:
+        tail = output.narrow(0, shard_numel, replicated_numel)
+        torch.cat([g.reshape(-1) for _, g in replicated], out=tail)
+        if pre_divide:
+            tail.div_(divisor)
+        if world_size > 1:
+            in_flight.append(
+                comm.issue(
+                    "all_reduce",
+                    group_name,
+                    tail.numel() * tail.element_size(),
+                    lambda async_op: dist.all_reduce(tail, group=group, async_op=async_op),
+                )
+            )
+    return ReduceInFlight(
+        [p for p, _ in sharded + replicated],
+        (reduce_scatter_input,),
+        output,
+        divisor,
+        tuple(in_flight),
     )
-    return ReduceInFlight(fsdp_params, (reduce_scatter_input,), output, divisor, in_flight)
 
 
 @torch.no_grad()
@@ -137,7 +189,7 @@ def all_reduce(
         output.numel() * output.element_size(),
         lambda async_op: dist.all_reduce(output, group=group, async_op=async_op),
     )
-    return reduced._replace(buffers=(), in_flight=in_flight)
+    return reduced._replace(buffers=(), in_flight=(in_flight,))
 
 
 def output_slots(reduced: ReduceInFlight) -> list[torch.Tensor]:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
 
 from .common import MeshInfo, ShardedState, device_from_mesh, post_forward_mesh_info
 from .param import FSDPParam, ModuleSlot
@@ -16,11 +18,13 @@ from .state import FSDPState, get_fsdp_state
 from .state_dict import register_load_state_dict_hook
 from .validate import (
     SHARDED_AS,
+    check_min_numel_to_shard,
     check_module,
     check_params,
     check_policies,
     check_reshard_after_forward,
     resolve_mesh,
+    shard_dims,
 )
 
 # Generated FSDP<Name> classes, one per original class, so that type checks
@@ -36,6 +40,8 @@ def fully_shard(
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),  # noqa: B008 (frozen)
     ignored_params: set[nn.Parameter] | None = None,
     offload_policy: OffloadPolicy = OffloadPolicy(),  # noqa: B008 (frozen)
+    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
+    min_numel_to_shard: int = 0,
 ) -> FSDPModule:
     """Shards ``module``'s parameters over ``mesh`` and communicates them as one group.
 
@@ -66,6 +72,20 @@ def fully_shard(
             all-gathered, not reduced. (Default: None)
         offload_policy: ``CPUOffloadPolicy()`` keeps sharded parameters,
             gradients and optimizer state on the CPU. (Default: no offload)
+        shard_placement_fn: called with each parameter; returns the
+            ``Shard(dim)`` to shard it on, or None for ``Shard(0)`` (e.g. an
+            expert weight whose dim 0 is small). Dims other than 0 must split
+            evenly over the mesh. (Default: None, every parameter on dim 0)
+        min_numel_to_shard: parameters with fewer elements (of their TP-local
+            part, for a DTensor) are not sharded but kept whole on every rank
+            as ``Replicate()`` DTensors, and their gradients all-reduced: for
+            norm weights and biases, whose tiny shards cost padding and
+            per-parameter copies for no memory saved. (Default: 0, shard all)
+
+    Parameters that are already DTensors (tensor parallelism, from
+    ``parallelize_module`` on ``mesh["tp"]`` of the mesh whose ``mesh["dp"]``
+    is passed here) are sharded over ``mesh`` too and become DTensors on the
+    joined ``(dp, tp)`` mesh; forward computes with their TP layout.
 
     Returns:
         The same module, now an ``FSDPModule``.
@@ -81,7 +101,9 @@ def fully_shard(
     ignored = set(ignored_params or ())
     named_params = [(fqn, p) for fqn, p in _unowned_params(module) if p not in ignored]
     _check_no_param_shared_with_nested_group(module)
-    check_params(named_params, device, mp_policy)
+    check_params(named_params, mesh, device, mp_policy)
+    dims = shard_dims(named_params, shard_placement_fn, mesh_info.shard_world_size)
+    check_min_numel_to_shard(min_numel_to_shard)
 
     state = FSDPState(module, mesh_info, device, reshard_after_forward, mp_policy)
     for nested in _nested_states(module):
@@ -90,8 +112,18 @@ def fully_shard(
     if named_params:
         slots = _module_slots(module, named_params)
         fsdp_params = [
-            FSDPParam(param, fqn, slots[id(param)], mesh_info, device, mp_policy, offload_policy)
-            for fqn, param in named_params
+            FSDPParam(
+                param,
+                fqn,
+                slots[id(param)],
+                mesh_info,
+                device,
+                mp_policy,
+                offload_policy,
+                shard_dim=dim,
+                replicated=_local_numel(param) < min_numel_to_shard,
+            )
+            for (fqn, param), dim in zip(named_params, dims, strict=True)
         ]
         for fqn, param in named_params:
             param.__dict__[SHARDED_AS] = f"{fqn!r} of {type(module).__name__}"
@@ -121,6 +153,10 @@ def _resolve_reshard_after_forward(
     if value == mesh_info.shard_world_size:
         return True, None
     return True, post_forward_mesh_info(mesh_info.mesh, value)
+
+
+def _local_numel(param: nn.Parameter) -> int:
+    return (param.to_local() if isinstance(param, DTensor) else param).numel()
 
 
 def _nested_states(module: nn.Module) -> list[FSDPState]:

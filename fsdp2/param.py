@@ -1,4 +1,4 @@
-"""FSDPParam: one parameter, sharded on dim 0 of the data-parallel axis.
+"""FSDPParam: one parameter, sharded on one dim over the data-parallel axis.
 
 [Note: the padded layout]
 A parameter of ``dim0`` rows is cut like ``torch.chunk(param, world_size)``:
@@ -8,6 +8,22 @@ no padding, so ``full_tensor()`` returns the original bit for bit. Padding lives
 only in communication buffers: in the all-gather buffer and in the
 reduce-scatter buffer every rank's slot for this parameter is
 ``chunk_rows * row_numel`` elements, whatever it really owns.
+
+A parameter sharded on a dim ``d > 0`` (``shard_placement_fn``) must split
+evenly. Its slot is this rank's chunk, contiguous, shaped ``(pre, chunk, post)``
+(``pre``/``post``: the products of the sizes before and after ``d``); the
+unsharded parameter seen *rank-major*, ``view(pre, W, chunk, post)`` with the
+first two dims swapped, lines up with the ``(W, slot)`` rows of the buffers.
+
+[Note: FSDP over tensor parallelism]
+A parameter that is already a DTensor on a TP mesh is sharded as above, but
+what is sharded (and all-gathered, and reduce-scattered) is its TP-local
+tensor. The sharded parameter is a DTensor on the mesh that joins the
+data-parallel axes and the TP axes, placed ``(*dp placements, *tp placements)``.
+When both shard the same dim, the data-parallel chunk is a chunk *of the TP
+chunk*: ``_StridedShard(d, split_factor=<TP shards of d>)`` says so, so that
+``full_tensor()``, ``redistribute`` and checkpoints see the right rows. The
+unsharded parameter is a DTensor with the original TP layout again.
 """
 
 import math
@@ -16,11 +32,18 @@ from typing import NamedTuple
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .common import MeshInfo, chunk_rows, local_rows
 from .policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from .private_api import dtensor_from_local_no_grad, dtensor_spec
+from .private_api import (
+    DTensorSpec,
+    concatenate_meshes,
+    dtensor_from_local_no_grad,
+    dtensor_spec,
+    strided_shard,
+)
+from .validate import FSDP_SHARDED
 
 
 class ModuleSlot(NamedTuple):
@@ -36,6 +59,20 @@ def _contiguous_strides(size: torch.Size) -> tuple[int, ...]:
         strides.append(running)
         running *= dim
     return tuple(reversed(strides))
+
+
+def tp_local(full: torch.Tensor, spec: DTensorSpec) -> torch.Tensor:
+    """This rank's part of ``full`` under a (Shard/Replicate) TP layout, as a view."""
+    local = full
+    for axis, placement in enumerate(spec.placements):
+        if isinstance(placement, Shard):
+            chunks = torch.chunk(local, spec.mesh.size(axis), placement.dim)
+            coordinate = spec.mesh.get_local_rank(axis)
+            if coordinate < len(chunks):
+                local = chunks[coordinate]
+            else:  # past the last chunk: empty, like DTensor's
+                local = local.narrow(placement.dim, local.size(placement.dim), 0)
+    return local
 
 
 class FSDPParam:
@@ -57,6 +94,8 @@ class FSDPParam:
         device: torch.device,
         mp_policy: MixedPrecisionPolicy,
         offload_policy: OffloadPolicy,
+        shard_dim: int = 0,
+        replicated: bool = False,
     ) -> None:
         self.fqn = fqn  # from the root after lazy init; from the sharded module before
         self.slots = slots
@@ -65,34 +104,53 @@ class FSDPParam:
         self.orig_param_ref = weakref.ref(param)
         self.mesh_info = mesh_info
         self.device = device
-        self.orig_size = param.size()
+        self.orig_size = param.size()  # global, as full_tensor() returns it
         self.orig_dtype = param.dtype
         # Dtype of the all-gather and of the unsharded parameter.
         self.param_dtype = mp_policy.param_dtype or param.dtype
         # Dtype of the reduce-scatter and of gradients accumulated without sync.
         self.reduce_dtype = mp_policy.reduce_dtype or self.param_dtype
         self.requires_grad = param.requires_grad
+        # TP: the layout of the unsharded parameter. Otherwise None.
+        self.tp_spec: DTensorSpec | None = None
+        if isinstance(param, DTensor):
+            self.tp_spec = param._spec
+            data = param._local_tensor
+        else:
+            data = param
+        # What the group all-gathers: the whole parameter, or its TP-local part.
+        self.unsharded_size = data.size()
+        self.shard_dim = shard_dim
+        # Kept whole on every rank (``min_numel_to_shard``): not all-gathered,
+        # its gradient all-reduced. Seen as a "shard" over a world of one.
+        self.replicated = replicated
+        self.mesh, self.placements = self._sharded_layout()
         world_size, rank = mesh_info.shard_world_size, mesh_info.shard_rank
-        self.row_numel = math.prod(self.orig_size[1:])
-        self.chunk_rows = chunk_rows(param.size(0), world_size)
+        if replicated:
+            world_size, rank = 1, 0
+        dim_size = self.unsharded_size[shard_dim]
+        self.chunk_rows = chunk_rows(dim_size, world_size)  # along shard_dim
         # Elements of one rank's slot in the communication buffers (padded).
-        self.padded_shard_numel = self.chunk_rows * self.row_numel
-        rows = local_rows(param.size(0), world_size, rank)
-        start = min(rank * self.chunk_rows, param.size(0))
+        self.padded_shard_numel = self.chunk_rows * (data.numel() // max(dim_size, 1))
+        rows = local_rows(dim_size, world_size, rank)
+        start = min(rank * self.chunk_rows, dim_size)
         # Where the shard lives: the compute device, or the CPU when offloading.
         self.offload = isinstance(offload_policy, CPUOffloadPolicy)
         self.shard_device = torch.device("cpu") if self.offload else device
         with torch.no_grad():
-            local = param.detach().narrow(0, start, rows)
+            local = data.detach().narrow(shard_dim, start, rows)
             # Meta parameters stay on meta until ``module.to_empty(device=...)``.
-            # Clone: the full tensor must not be kept alive by its shard.
-            local = (local if param.is_meta else local.to(self.shard_device)).clone()
+            # Clone: the full tensor must not be kept alive by its shard (and a
+            # shard on dim > 0 must be contiguous: it is the slot's layout).
+            local = local if data.is_meta else local.to(self.shard_device)
+            local = local.clone(memory_format=torch.contiguous_format)
             if self.offload and offload_policy.pin_memory and device.type != "cpu":
                 local = local.pin_memory()
         self._local_start = start
         self.sharded_param = nn.Parameter(
             self._as_dtensor(local), requires_grad=param.requires_grad
         )
+        self.sharded_param.__dict__[FSDP_SHARDED] = True
         self.local_numel = local.numel()
         self.local_shape = local.shape
         self._unsharded_padded: torch.Tensor | None = None
@@ -105,16 +163,34 @@ class FSDPParam:
         self.partial_grad: torch.Tensor | None = None
         self._set_on_modules(self.sharded_param)
 
+    def _sharded_layout(self):
+        """The mesh and placements of the sharded parameter (see [Note: FSDP over
+        tensor parallelism])."""
+        dp_placements = list(self.mesh_info.placements)
+        dp_placements[-1] = Replicate() if self.replicated else Shard(self.shard_dim)
+        if self.tp_spec is None:
+            return self.mesh_info.mesh, tuple(dp_placements)
+        tp_shards = math.prod(
+            self.tp_spec.mesh.size(axis)
+            for axis, p in enumerate(self.tp_spec.placements)
+            if isinstance(p, Shard) and p.dim == self.shard_dim
+        )
+        if tp_shards > 1 and not self.replicated:
+            dp_placements[-1] = strided_shard(self.shard_dim, tp_shards)
+        mesh = concatenate_meshes(self.mesh_info.mesh, self.tp_spec.mesh)
+        return mesh, (*dp_placements, *self.tp_spec.placements)
+
     def shard_like(self, full: torch.Tensor) -> DTensor:
         """This rank's shard of ``full`` (shaped like the parameter) as a DTensor."""
-        local = full.detach().narrow(0, self._local_start, self.local_shape[0])
-        return self._as_dtensor(local.to(self.sharded_param.device))
+        data = full.detach() if self.tp_spec is None else tp_local(full.detach(), self.tp_spec)
+        local = data.narrow(self.shard_dim, self._local_start, self.local_shape[self.shard_dim])
+        return self._as_dtensor(local.to(self.sharded_param.device).contiguous())
 
     def _as_dtensor(self, local: torch.Tensor) -> DTensor:
         return DTensor.from_local(
             local,
-            self.mesh_info.mesh,
-            self.mesh_info.placements,
+            self.mesh,
+            self.placements,
             run_check=False,
             shape=self.orig_size,
             stride=_contiguous_strides(self.orig_size),
@@ -123,7 +199,7 @@ class FSDPParam:
     def _as_sharded_grad(self, local: torch.Tensor) -> DTensor:
         if self._grad_spec is None:
             self._grad_spec = dtensor_spec(
-                self.mesh_info.mesh, self.mesh_info.placements, self.orig_size, self.orig_dtype
+                self.mesh, self.placements, self.orig_size, self.orig_dtype
             )
         return dtensor_from_local_no_grad(local, self._grad_spec)
 
@@ -135,29 +211,50 @@ class FSDPParam:
         return self.sharded_param.to_local().view(-1)
 
     def alloc_unsharded(self) -> torch.Tensor:
-        """Returns the (world_size, padded_shard_numel) destination of the copy-out.
+        """Returns the padded unsharded tensor, its storage (re)allocated.
 
         Writes through it do not bump ``unsharded_param``'s version counter:
         the parameter was built from ``.data``, which has a counter of its own.
         That is what lets backward reuse activations saved in forward after a
         reshard and a fresh all-gather refilled the same storage.
         """
-        world_size = self.mesh_info.shard_world_size
-        padded_size = (world_size * self.chunk_rows, *self.orig_size[1:])
         if self._unsharded_padded is None:
+            padded_size = list(self.unsharded_size)
+            if not self.replicated:
+                padded_size[self.shard_dim] = self.mesh_info.shard_world_size * self.chunk_rows
             self._unsharded_padded = torch.empty(
                 padded_size, dtype=self.param_dtype, device=self.device
             )
-            self.unsharded_param = nn.Parameter(
-                self._unsharded_padded[: self.orig_size[0]].data,
-                requires_grad=self.requires_grad,
-            )
+            data = self._unsharded_padded.narrow(
+                self.shard_dim, 0, self.unsharded_size[self.shard_dim]
+            ).data
+            if self.tp_spec is not None:
+                spec = dtensor_spec(
+                    self.tp_spec.mesh, self.tp_spec.placements, self.orig_size, self.param_dtype
+                )
+                data = dtensor_from_local_no_grad(data, spec)
+            self.unsharded_param = nn.Parameter(data, requires_grad=self.requires_grad)
         else:
             storage = self._unsharded_padded.untyped_storage()
             nbytes = self._unsharded_padded.numel() * self._unsharded_padded.element_size()
             if storage.size() != nbytes:
                 storage.resize_(nbytes)
-        return self._unsharded_padded.view(world_size, self.padded_shard_numel)
+        return self._unsharded_padded
+
+    @torch.no_grad()
+    def copy_replicated(self) -> None:
+        """Unshards a replicated parameter: its local tensor is the whole of it."""
+        self.alloc_unsharded().copy_(self.sharded_param.to_local())
+
+    def rank_major(self, tensor: torch.Tensor, world_size: int) -> torch.Tensor:
+        """``tensor`` (unsharded-shaped, padded for dim 0) seen as ``world_size``
+        rows, row k holding rank k's slot: ``(W, slot)`` for dim 0, ``(W, pre,
+        chunk, post)`` (a strided view) for a dim > 0. See [Note: the padded layout]."""
+        if self.shard_dim == 0:
+            return tensor.view(world_size, -1)
+        size = self.unsharded_size
+        pre, post = math.prod(size[: self.shard_dim]), math.prod(size[self.shard_dim + 1 :])
+        return tensor.view(pre, world_size, -1, post).transpose(0, 1)
 
     def free_unsharded(self) -> None:
         if self._unsharded_padded is not None:
@@ -192,6 +289,11 @@ class FSDPParam:
         grad = None if self.unsharded_param is None else self.unsharded_param.grad
         if grad is not None:
             self.unsharded_param.grad = None
+            if isinstance(grad, DTensor):
+                # TP: e.g. Partial() from a sequence-parallel norm; reduce over TP first.
+                if grad.placements != self.tp_spec.placements:
+                    grad = grad.redistribute(placements=self.tp_spec.placements)
+                grad = grad.to_local()
             grad = grad.to(self.reduce_dtype)
         if self.unsynced_grad is not None:
             grad = self.unsynced_grad if grad is None else grad.add_(self.unsynced_grad)
@@ -199,7 +301,7 @@ class FSDPParam:
         return grad
 
     def zero_unsharded_grad(self) -> torch.Tensor:
-        return torch.zeros(self.orig_size, dtype=self.reduce_dtype, device=self.device)
+        return torch.zeros(self.unsharded_size, dtype=self.reduce_dtype, device=self.device)
 
     def keep_unsynced_grad(self) -> None:
         """Gradient accumulation without sync: adds this backward's unsharded

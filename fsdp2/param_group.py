@@ -54,12 +54,15 @@ class FSDPParamGroup:
         post_forward_mesh_info: MeshInfo | None,
     ) -> None:
         self.fsdp_params = fsdp_params
+        # All-gathered, vs. kept whole on every rank (min_numel_to_shard).
+        self.sharded_params = [p for p in fsdp_params if not p.replicated]
+        self.replicated_params = [p for p in fsdp_params if p.replicated]
         self.module = module
         self.mesh_info = mesh_info
         self.ctx = ctx  # replaced by the root's context at lazy init
         self.reshard_after_forward = reshard_after_forward
         # Set: after forward, keep a shard over this smaller group instead.
-        self.post_forward_mesh_info = post_forward_mesh_info
+        self.post_forward_mesh_info = post_forward_mesh_info if self.sharded_params else None
         self.reshard_after_backward = True
         self.requires_gradient_sync = True
         self.requires_all_reduce = True  # HSDP: across replicas
@@ -94,8 +97,8 @@ class FSDPParamGroup:
             slot_numels = [self._post_forward_shard.numel()]
         else:
             info = self.mesh_info
-            inputs = [p.all_gather_input for p in self.fsdp_params]
-            slot_numels = [p.padded_shard_numel for p in self.fsdp_params]
+            inputs = [p.all_gather_input for p in self.sharded_params]
+            slot_numels = [p.padded_shard_numel for p in self.sharded_params]
         if (check := self.ctx.order_check) is not None:
             check.before_collective("all-gather", self, info.shard_group, sum(slot_numels))
         logger.debug("%s: all-gather issued (%s)", self.name, self.sharded_state.name)
@@ -123,8 +126,10 @@ class FSDPParamGroup:
             in_training = torch.is_grad_enabled() or self.ctx.final_callback_queued
             check.record("all-gather", self, in_training)
         with torch.profiler.record_function(f"fsdp2::all_gather_copy_out ({self.name})"):
-            outputs = [p.alloc_unsharded().view(world_size, -1) for p in self.fsdp_params]
+            outputs = [p.rank_major(p.alloc_unsharded(), world_size) for p in self.sharded_params]
             copy_out(self._all_gather, outputs)
+            for fsdp_param in self.replicated_params:
+                fsdp_param.copy_replicated()
         self._all_gather = None
         self._post_forward_shard = None
         for fsdp_param in self.fsdp_params:
@@ -151,8 +156,8 @@ class FSDPParamGroup:
         parameters), then frees them."""
         info = self.post_forward_mesh_info
         blocks = [
-            p.alloc_unsharded().view(info.shard_world_size, -1)[info.shard_rank]
-            for p in self.fsdp_params
+            p.rank_major(p.alloc_unsharded(), info.shard_world_size)[info.shard_rank].reshape(-1)
+            for p in self.sharded_params
         ]
         self._post_forward_shard = torch.cat(blocks)
         self._to_sharded()

@@ -13,6 +13,19 @@ from torch.autograd import Variable
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor.placement_types import _StridedShard
+
+__all__ = [
+    "DTensorSpec",
+    "chunk_cat_",
+    "concatenate_meshes",
+    "dtensor_from_local_no_grad",
+    "dtensor_spec",
+    "queue_backward_callback",
+    "strided_shard",
+    "tree_flatten",
+    "tree_unflatten",
+]
 
 
 def queue_backward_callback(callback: Callable[[], None]) -> None:
@@ -68,3 +81,37 @@ def dtensor_from_local_no_grad(local: torch.Tensor, spec: DTensorSpec) -> DTenso
     constructor with a cached spec is what torch's own fully_shard uses.
     """
     return DTensor(local, spec, requires_grad=False)
+
+
+def concatenate_meshes(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh whose axes are ``dp_mesh``'s then ``tp_mesh``'s, both slices of one
+    root mesh (e.g. ``mesh["dp"]`` and ``mesh["tp"]``), reusing their process groups.
+
+    Why private: a sharded TP parameter lives on both sets of axes, and there is
+    no public way to join two slices of a mesh. Building a new ``DeviceMesh``
+    from ranks would create new process groups on every call (a collective).
+
+    Raises:
+        ValueError: if the meshes are not orthogonal slices of one root mesh.
+    """
+    try:
+        return DeviceMesh._concatenate([dp_mesh, tp_mesh])
+    except (RuntimeError, TypeError, AttributeError) as error:
+        raise ValueError(
+            f"fully_shard over tensor parallelism needs the data-parallel mesh {dp_mesh} and "
+            f"the parameters' TP mesh {tp_mesh} to be named slices of one mesh: build "
+            "mesh = init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', 'tp')), "
+            "parallelize with mesh['tp'] and pass fully_shard(..., mesh=mesh['dp']) "
+            f"({error})"
+        ) from error
+
+
+def strided_shard(dim: int, split_factor: int) -> Placement:
+    """The data-parallel placement of a dim that tensor parallelism shards too:
+    each rank holds a chunk of a TP chunk, not a chunk of the whole dim.
+
+    Why private: ``_StridedShard`` is the only placement DTensor has for that
+    layout; without it ``full_tensor()`` and checkpoints would put rows in the
+    wrong order. torch's own FSDP+TP uses it.
+    """
+    return _StridedShard(dim, split_factor=split_factor)

@@ -81,7 +81,7 @@ class RootContext:
         for reduced in in_flight:
             if reduced is not None:
                 try:
-                    reduced.in_flight.wait()
+                    reduced.wait()
                 except RuntimeError:
                     logger.warning("fsdp2: dropping a failed gradient reduction while resetting")
         self.reduce_scatter_in_flight = None
@@ -106,7 +106,7 @@ class RootContext:
             return
         group, reduced = self.reduce_scatter_in_flight
         self.reduce_scatter_in_flight = None
-        reduced.in_flight.wait()
+        reduced.wait()
         replicate_group = group.mesh_info.replicate_group
         if replicate_group is None:
             assign_sharded_grads(reduced)
@@ -123,7 +123,7 @@ class RootContext:
 
     def finish_all_reduce(self) -> None:
         if self.all_reduce_in_flight is not None:
-            self.all_reduce_in_flight.in_flight.wait()
+            self.all_reduce_in_flight.wait()
             assign_sharded_grads(self.all_reduce_in_flight)
             self.all_reduce_in_flight = None
 

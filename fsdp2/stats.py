@@ -37,6 +37,8 @@ class CollectiveStats:
 class GroupStats:
     all_gather: CollectiveStats = field(default_factory=CollectiveStats)
     reduce_scatter: CollectiveStats = field(default_factory=CollectiveStats)
+    # Across HSDP replicas, and of replicated parameters' gradients (min_numel_to_shard).
+    all_reduce: CollectiveStats = field(default_factory=CollectiveStats)
 
     def of(self, kind: str) -> CollectiveStats:
         return getattr(self, kind)
@@ -61,7 +63,7 @@ class CommStats:
         total: dict[str, GroupStats] = defaultdict(GroupStats)
         for step in [*self.steps, self._current]:
             for group, stats in step.items():
-                for kind in ("all_gather", "reduce_scatter"):
+                for kind in ("all_gather", "reduce_scatter", "all_reduce"):
                     into, add = total[group].of(kind), stats.of(kind)
                     into.count += add.count
                     into.bytes += add.bytes

@@ -46,8 +46,11 @@ def summary(model: nn.Module, *, print_table: bool = True) -> list[GroupSummary]
         params = group.fsdp_params
         world_size = group.mesh_info.shard_world_size
         itemsize = group.param_dtype.itemsize
-        gathered_numel = sum(p.padded_shard_numel for p in params) * world_size
-        numel = sum(p.orig_size.numel() for p in params)
+        # Replicated parameters (min_numel_to_shard) are whole, never padded.
+        gathered_numel = sum(
+            p.padded_shard_numel * (1 if p.replicated else world_size) for p in params
+        )
+        numel = sum(p.unsharded_size.numel() for p in params)  # TP: this rank's part
         rows.append(
             GroupSummary(
                 module=path,
@@ -56,7 +59,8 @@ def summary(model: nn.Module, *, print_table: bool = True) -> list[GroupSummary]
                 unsharded_bytes=numel * itemsize,
                 shard_bytes=sum(p.local_numel * p.orig_dtype.itemsize for p in params),
                 padding_bytes=(gathered_numel - numel) * itemsize,
-                placements=str(tuple(params[0].sharded_param.placements)),
+                # Distinct ones: TP, shard_placement_fn and replication mix them.
+                placements=" | ".join(dict.fromkeys(str(p.placements) for p in params)),
                 mesh=f"{tuple(group.mesh_info.mesh.shape)} {group.mesh_info.mesh.device_type}",
                 reshard_after_forward=_reshard_policy(state, is_root=module is model),
                 param_dtype=str(group.param_dtype).removeprefix("torch."),

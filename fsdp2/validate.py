@@ -1,16 +1,21 @@
 """Argument checks for ``fully_shard``: user mistakes fail here, before any state changes."""
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .policy import MixedPrecisionPolicy, OffloadPolicy
+from .private_api import concatenate_meshes
 
 # Set on an original parameter when it is sharded: a later fully_shard call
 # that meets the same object (tied to a module outside that group) refuses it.
 SHARDED_AS = "_fsdp2_sharded_as"
+# Set on every sharded parameter fully_shard makes, to refuse sharding it again.
+FSDP_SHARDED = "_fsdp2_sharded"
 
 
 def check_module(module: nn.Module) -> None:
@@ -87,6 +92,7 @@ def check_policies(mp_policy: object, offload_policy: object) -> None:
 
 def check_params(
     named_params: list[tuple[str, nn.Parameter]],
+    mesh: DeviceMesh,
     device: torch.device,
     mp_policy: MixedPrecisionPolicy,
 ) -> None:
@@ -107,11 +113,7 @@ def check_params(
                 "modules that share it in one call (their common parent), or untie them."
             )
         if isinstance(param, DTensor):
-            raise ValueError(
-                f"fully_shard: parameter {fqn!r} is already a DTensor (placements "
-                f"{param.placements}). Parameters of a module that fully_shard has not seen "
-                "must be plain tensors."
-            )
+            _check_tp_param(fqn, param, mesh)
         if param.dim() == 0:
             raise ValueError(
                 f"fully_shard does not support scalar parameters: {fqn!r} is 0-dimensional. "
@@ -127,3 +129,84 @@ def check_params(
                 f"fully_shard: parameter {fqn!r} is on {param.device}, but the mesh's device "
                 f"is {device}. Move the module to {device} (or to CPU) before sharding."
             )
+
+
+def _check_tp_param(fqn: str, param: DTensor, mesh: DeviceMesh) -> None:
+    """A DTensor parameter is a tensor-parallel one: sharded or replicated over
+    axes orthogonal to ``mesh`` (see [Note: FSDP over tensor parallelism])."""
+    if param.__dict__.get(FSDP_SHARDED):
+        raise ValueError(
+            f"fully_shard: parameter {fqn!r} is already a DTensor sharded by fully_shard on a "
+            "parent module. Call fully_shard bottom-up: each child first, then its parent."
+        )
+    if set(param.device_mesh.mesh.flatten().tolist()) == set(mesh.mesh.flatten().tolist()):
+        raise ValueError(
+            f"fully_shard: parameter {fqn!r} is already a DTensor on the ranks of the mesh "
+            f"passed to fully_shard ({param.placements} on {param.device_mesh}). For tensor "
+            "parallelism, parallelize over mesh['tp'] and shard over mesh['dp'] of one 2D mesh; "
+            "otherwise pass plain tensors."
+        )
+    unsupported = [p for p in param.placements if type(p) not in (Shard, Replicate)]
+    if unsupported:
+        raise ValueError(
+            f"fully_shard: parameter {fqn!r} is a DTensor placed {param.placements}; only "
+            "Shard(dim) and Replicate() tensor-parallel placements can be sharded further. "
+            "Redistribute it to Shard or Replicate before fully_shard."
+        )
+    if param.device_mesh.device_type != mesh.device_type:
+        raise ValueError(
+            f"fully_shard: parameter {fqn!r} is a DTensor on a {param.device_mesh.device_type} "
+            f"mesh, but the data-parallel mesh is on {mesh.device_type}. Use one device type."
+        )
+    concatenate_meshes(mesh, param.device_mesh)  # raises ValueError with the recipe
+
+
+def shard_dims(
+    named_params: list[tuple[str, nn.Parameter]],
+    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None,
+    world_size: int,
+) -> list[int]:
+    """The dim each parameter is sharded on: ``shard_placement_fn``'s ``Shard(dim)``
+    (negative dims counted from the end), or 0 where it returns None."""
+    if shard_placement_fn is None:
+        return [0] * len(named_params)
+    if not callable(shard_placement_fn):
+        raise TypeError(
+            "shard_placement_fn must be a function param -> Shard(dim) | None, got "
+            f"{type(shard_placement_fn).__name__}."
+        )
+    dims = []
+    for fqn, param in named_params:
+        placement = shard_placement_fn(param)
+        if placement is None:
+            dims.append(0)
+            continue
+        if type(placement) is not Shard:
+            raise TypeError(
+                f"shard_placement_fn returned {placement!r} for {fqn!r}; it must return "
+                "torch.distributed.tensor.Shard(dim) or None (for Shard(0))."
+            )
+        ndim = param.dim()
+        dim = placement.dim + ndim if placement.dim < 0 else placement.dim
+        if not 0 <= dim < ndim:
+            raise ValueError(
+                f"shard_placement_fn returned Shard({placement.dim}) for {fqn!r}, which has "
+                f"{ndim} dims (shape {tuple(param.shape)}). Return a dim in [{-ndim}, {ndim})."
+            )
+        size = (param.to_local() if isinstance(param, DTensor) else param).size(dim)
+        if dim > 0 and size % world_size:
+            raise ValueError(
+                f"fully_shard: {fqn!r} is sharded on dim {dim} of size {size} (shape "
+                f"{tuple(param.shape)}), which does not split evenly over {world_size} ranks. "
+                f"Only dim 0 may be uneven: shard it on a dim whose size {world_size} "
+                "divides, or on dim 0."
+            )
+        dims.append(dim)
+    return dims
+
+
+def check_min_numel_to_shard(value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"min_numel_to_shard must be an int (a number of elements), got {value!r}.")
+    if value < 0:
+        raise ValueError(f"min_numel_to_shard must be >= 0, got {value}. 0 shards every parameter.")
