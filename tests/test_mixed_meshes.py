@@ -171,7 +171,9 @@ def _torch_clip_fails(model: nn.Module) -> None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
 
 
-def _nonfinite_and_partial(rank: int, world_size: int, meshes: tuple[DeviceMesh, DeviceMesh]):
+def _nonfinite_and_partial(
+    rank: int, world_size: int, meshes: tuple[DeviceMesh, DeviceMesh]
+) -> None:
     model = _shard(_build(), *meshes)
     _loss(model, *local_batch(_batch(0), rank, world_size)).backward()
     _torch_clip_fails(model)
