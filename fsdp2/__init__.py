@@ -3,6 +3,7 @@
 The public API mirrors ``torch.distributed.fsdp.fully_shard``.
 """
 
+from .clip import clip_grad_norm_
 from .fully_shard import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
 from .policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from .stats import CommStats, comm_stats
@@ -16,6 +17,7 @@ __all__ = [
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "UnshardHandle",
+    "clip_grad_norm_",
     "comm_stats",
     "fully_shard",
     "register_fsdp_forward_method",

@@ -1,0 +1,164 @@
+"""Gradient clipping over parameters sharded on different meshes.
+
+``torch.nn.utils.clip_grad_norm_`` stacks the per-parameter norms into one
+DTensor, which fails as soon as two gradients live on different meshes (e.g.
+MoE experts on an HSDP mesh, the rest on a 1D one): "All operands in
+aten.stack.default must have the same mesh". With ``norm_type=inf`` it also
+fails on a rank whose shard of some gradient is empty (``torch.chunk`` gives
+fewer chunks than ranks), and that rank's peers then wait in the collective.
+
+Here the norm is computed from the local shards: gradients are grouped by mesh
+and by the mesh axes that shard them; each group's local sum of ``|g|^p`` (or
+max of ``|g|``) is all-reduced over those axes only, so a shard counts once and
+a replica is not counted again; the groups' results are combined on every rank.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+# (mesh, mesh axes the gradient is sharded over); (None, ()) for plain tensors.
+_GroupKey = tuple[DeviceMesh | None, tuple[int, ...]]
+
+
+def clip_grad_norm_(
+    parameters: torch.Tensor | Iterable[torch.Tensor],
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+) -> torch.Tensor:
+    """Clips gradients in place to a total norm of at most ``max_norm``, like
+    ``torch.nn.utils.clip_grad_norm_``, also when they are DTensors on different
+    meshes.
+
+    The total norm is that of all gradients concatenated, each counted once:
+    a ``Shard`` placement contributes every rank's shard, a ``Replicate`` one a
+    single copy. Plain (non-DTensor) gradients are taken as they are on this
+    rank, as identical on every rank. Every gradient is multiplied by
+    ``min(1, max_norm / (total_norm + 1e-6))``.
+
+    Args:
+        parameters: a tensor or an iterable of tensors whose ``.grad`` is
+            clipped; those without a gradient are skipped. Every rank must pass
+            the same parameters in the same order (the norm takes one
+            all-reduce per group of gradients, issued in that order).
+        max_norm: the largest total norm allowed.
+        norm_type: p of the p-norm, positive, or ``float("inf")`` for the
+            largest absolute value. (Default: 2.0)
+        error_if_nonfinite: raise if the total norm is NaN or infinite
+            (on every rank, since every rank computes the same total).
+            (Default: False)
+        foreach: use the multi-tensor kernels to compute local norms and
+            scale gradients; ``None`` uses them where the device supports them.
+            (Default: None)
+
+    Returns:
+        The total norm before clipping: a plain scalar tensor (not a DTensor),
+        the same on every rank, on the device of the first gradient, in
+        float32 (float64 if any gradient is float64).
+
+    Raises:
+        ValueError: if ``norm_type`` is not positive, or a gradient has a
+            placement other than ``Shard`` or ``Replicate`` (e.g. ``Partial``).
+        RuntimeError: if ``error_if_nonfinite`` and the total norm is not finite.
+    """
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    parameters = list(parameters)
+    norm_type = float(norm_type)
+    if not norm_type > 0:
+        raise ValueError(
+            f"clip_grad_norm_ takes a positive norm_type or float('inf'), got {norm_type}"
+        )
+    with_grad = [p for p in parameters if p.grad is not None]
+    if not with_grad:
+        return torch.tensor(0.0)
+    groups = _group_by_mesh(with_grad)
+    total = _total_norm(groups, norm_type, foreach, with_grad[0].grad.device)
+    if error_if_nonfinite and not torch.isfinite(total).item():
+        raise RuntimeError(
+            f"clip_grad_norm_: the total {norm_type}-norm of the gradients is {total.item()}, "
+            "so clipping would make them NaN or zero. Pass error_if_nonfinite=False to clip "
+            "anyway, or find the parameter whose gradient is not finite."
+        )
+    # Scaling needs no communication: each rank scales its own shards. One call
+    # per group: the multi-tensor kernel refuses DTensors on different meshes.
+    for params in groups.values():
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=foreach)
+    return total
+
+
+def _group_by_mesh(params: list[torch.Tensor]) -> dict[_GroupKey, list[torch.Tensor]]:
+    # Insertion order follows the parameters, the same on every rank, so the
+    # groups' all-reduces pair up across ranks.
+    groups: dict[_GroupKey, list[torch.Tensor]] = {}
+    for index, param in enumerate(params):
+        groups.setdefault(_group_key(param.grad, index), []).append(param)
+    return groups
+
+
+def _group_key(grad: torch.Tensor, index: int) -> _GroupKey:
+    if not isinstance(grad, DTensor):
+        return None, ()
+    sharded_axes = []
+    for axis, placement in enumerate(grad.placements):
+        if isinstance(placement, Shard):
+            sharded_axes.append(axis)
+        elif not isinstance(placement, Replicate):
+            raise ValueError(
+                f"clip_grad_norm_: the gradient of parameter #{index} (global shape "
+                f"{tuple(grad.shape)}) is placed {placement!r} on mesh axis {axis}; only Shard "
+                "and Replicate gradients have a norm without communication of their own. "
+                "Redistribute it first, e.g. grad.redistribute(placements=[Replicate()])."
+            )
+    return grad.device_mesh, tuple(sharded_axes)
+
+
+def _total_norm(
+    groups: dict[_GroupKey, list[torch.Tensor]],
+    norm_type: float,
+    foreach: bool | None,
+    device: torch.device,
+) -> torch.Tensor:
+    grads = [p.grad for params in groups.values() for p in params]
+    dtype = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
+    per_group = []
+    for (mesh, sharded_axes), params in groups.items():
+        locals_ = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]
+        value = _local_norm(locals_, norm_type, foreach).to(dtype)
+        if not math.isinf(norm_type):
+            value = value**norm_type
+        if mesh is not None and sharded_axes:
+            value = value.to(_mesh_device(mesh))
+            op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
+            for axis in sharded_axes:
+                dist.all_reduce(value, op=op, group=mesh.get_group(axis))
+        per_group.append(value.to(device))
+    stacked = torch.stack(per_group)
+    if math.isinf(norm_type):
+        return stacked.max()
+    return stacked.sum() ** (1.0 / norm_type)
+
+
+def _local_norm(
+    tensors: list[torch.Tensor], norm_type: float, foreach: bool | None
+) -> torch.Tensor:
+    # An empty shard adds nothing to any norm, and the inf norm of an empty
+    # tensor raises (max has no identity): leave empty shards out.
+    tensors = [t for t in tensors if t.numel() > 0]
+    if not tensors:
+        return torch.zeros(())
+    return torch.nn.utils.get_total_norm(tensors, norm_type, foreach=foreach)
+
+
+def _mesh_device(mesh: DeviceMesh) -> torch.device:
+    # The collective runs on the mesh's backend, which may not take tensors of
+    # the gradients' device (CPU-offloaded gradients on an accelerator mesh).
+    return torch.device(mesh.device_type)
