@@ -21,7 +21,9 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate
+
+from .private_api import shards_tensor
 
 # (mesh, mesh axes the gradient is sharded over); (None, ()) for plain tensors.
 _GroupKey = tuple[DeviceMesh | None, tuple[int, ...]]
@@ -109,7 +111,7 @@ def _group_key(grad: torch.Tensor, index: int) -> _GroupKey:
         return None, ()
     sharded_axes = []
     for axis, placement in enumerate(grad.placements):
-        if isinstance(placement, Shard):
+        if shards_tensor(placement):
             sharded_axes.append(axis)
         elif not isinstance(placement, Replicate):
             raise ValueError(

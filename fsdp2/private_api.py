@@ -11,7 +11,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.autograd import Variable
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement
+from torch.distributed.tensor import DTensor, Placement, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import _StridedShard
 
@@ -22,6 +22,7 @@ __all__ = [
     "dtensor_from_local_no_grad",
     "dtensor_spec",
     "queue_backward_callback",
+    "shards_tensor",
     "strided_shard",
     "tree_flatten",
     "tree_unflatten",
@@ -115,3 +116,14 @@ def strided_shard(dim: int, split_factor: int) -> Placement:
     wrong order. torch's own FSDP+TP uses it.
     """
     return _StridedShard(dim, split_factor=split_factor)
+
+
+def shards_tensor(placement: Placement) -> bool:
+    """Whether ``placement`` cuts the tensor across the axis (``Shard`` or the
+    ``_StridedShard`` of FSDP over TP), as opposed to replicating it or
+    holding partial sums.
+
+    Why private: ``_StridedShard`` is not a ``Shard`` subclass, and its
+    ``is_shard()`` answers False.
+    """
+    return isinstance(placement, Shard | _StridedShard)

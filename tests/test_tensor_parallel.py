@@ -20,6 +20,7 @@ import fsdp2
 
 TOL = {"rtol": 1e-5, "atol": 1e-5}
 STEPS = 3
+MAX_NORM = 0.5
 BATCH = 4  # global: 2 rows per dp rank
 # Uneven over dp on purpose (TP's own plans need even splits): vocab 34 -> 17
 # rows per tp rank -> 9 and 8 per dp rank; 10 positions -> 5 -> 3 and 2.
@@ -92,6 +93,10 @@ def _train(rank: int, world_size: int, seq_parallel: bool, weight_tying: bool) -
         loss.backward()
         # Every rank's loss is its dp group's: the mean over all ranks is the dp mean.
         assert_close(global_mean(loss, world_size), ref_loss.detach(), **TOL)
+        # Gradients on two meshes (dp, and dp x tp): clipped by the total norm.
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM)
+        assert ref_norm > MAX_NORM  # clipping really happens
+        assert_close(fsdp2.clip_grad_norm_(model.parameters(), MAX_NORM), ref_norm, **TOL)
         for name, param in model.named_parameters():
             assert param.grad.placements == param.placements, (name, param.grad.placements)
             expected = ref.get_parameter(name).grad
@@ -115,9 +120,10 @@ def _parity(rank: int, world_size: int) -> None:
 @pytest.mark.distributed
 def test_fsdp_over_tp_parity(tmp_path: Path) -> None:
     """Placements are (Shard(0) or _StridedShard, TP placement) on the 2x2 (dp, tp)
-    mesh, full tensors equal the original, and losses, gradients (also Partial
-    ones from sequence-parallel norms) and trained parameters match the
-    reference, with and without sequence parallelism and with tied embeddings."""
+    mesh, full tensors equal the original, and losses, gradient norms (clipped
+    across the dp and dp x tp meshes), gradients (also Partial ones from
+    sequence-parallel norms) and trained parameters match the reference, with
+    and without sequence parallelism and with tied embeddings."""
     run_ranks(_parity, 4, tmp_path)
 
 
