@@ -3,10 +3,12 @@ on ``mesh["tp"]`` and sharded by fsdp2 over ``mesh["dp"]`` of a 2x2 mesh, agains
 the unsharded reference trained on the global batch (DDP math over the dp ranks;
 the two tp ranks of a dp group see the same data)."""
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from dist import labelled, run_ranks
 from models import global_mean, make_optimizer, mean_loss
@@ -15,6 +17,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.testing import assert_close
 from torch.testing._internal.distributed._tensor.common_dtensor import ModelArgs, Transformer
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import fsdp2
 
@@ -151,3 +154,53 @@ def test_checkpoint_from_2d_to_fsdp_only(tmp_path: Path) -> None:
     the values differ from the initial ones) loads under FSDP alone on 4 ranks
     with the same full tensors."""
     run_ranks(_checkpoint, 4, tmp_path, tmp_path / "ckpt")
+
+
+# -- single process: HSDP x TP layouts under a fake world of 8 ranks ----------
+
+
+@pytest.fixture
+def fake_world() -> Iterator[None]:
+    """This process as rank 5 of 8; the fake group's collectives move no data."""
+    assert not dist.is_initialized(), "a test left a default process group behind"
+    dist.init_process_group("fake", store=FakeStore(), rank=5, world_size=8)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_hsdp_over_tp_placements(fake_world: None) -> None:
+    """A (replicate, shard, tp) = 2 x 2 x 2 mesh: TP parameters become 3D DTensors
+    placed (Replicate(), <dp shard>, <tp placement>) whose local tensor has the
+    shape of this rank's dp chunk of its TP chunk; others stay 2D HSDP
+    (construction only: 8 real ranks are too many for 2 cores)."""
+    mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("replicate", "shard", "tp"))
+    ref = _build(False)
+    model = _build(False)
+    Transformer.parallelize(model, mesh["tp"], use_seq_parallel=False, local_output_for_attn=True)
+    tp_names = {n for n, p in model.named_parameters() if isinstance(p, DTensor)}
+    for layer in model.layers:
+        fsdp2.fully_shard(layer, mesh=mesh["replicate", "shard"])
+    fsdp2.fully_shard(model, mesh=mesh["replicate", "shard"])
+    # Rank 5 = coordinates (1, 0, 1): replica 1, dp shard 0, tp rank 1.
+    shard_rank, tp_rank = 0, 1
+    for name, param in model.named_parameters():
+        full = ref.get_parameter(name)
+        if name not in tp_names:
+            assert param.placements == (Replicate(), Shard(0)), name
+            assert torch.equal(param.to_local(), torch.chunk(full, 2)[shard_rank]), name
+            continue
+        assert param.device_mesh.mesh_dim_names == ("replicate", "shard", "tp"), name
+        tp_placement = param.placements[2]
+        tp_local = full
+        if isinstance(tp_placement, Shard):
+            tp_local = torch.chunk(full, 2, dim=tp_placement.dim)[tp_rank]
+        if tp_placement == Shard(0):
+            assert param.placements[:2] == (Replicate(), _StridedShard(0, split_factor=2)), name
+        else:
+            assert param.placements[:2] == (Replicate(), Shard(0)), name
+        # Shapes only: the fake group's scatter left TP's local values unset.
+        assert param.to_local().shape == torch.chunk(tp_local, 2)[shard_rank].shape, name
+        assert param.shape == full.shape, name
+    assert len(tp_names) > 0
