@@ -301,6 +301,7 @@ def _partial_group(rank: int, world_size: int) -> None:
     mesh = init_device_mesh("cpu", (world_size,))
     ref, model = build_lm(weight_tying=False), build_lm(weight_tying=False)
     shard_lm(model, mesh)
+    _error_between_group_modules(rank, world_size, model)
     optims = [make_optimizer(m) for m in (ref, model)]
     # (what the step does, skip the norm, chunks of the loss computed outside forward)
     steps = [
@@ -331,13 +332,31 @@ def _partial_group(rank: int, world_size: int) -> None:
     check_params(model, ref, f"after {len(steps)} steps")
 
 
+def _error_between_group_modules(rank: int, world_size: int, model: LM) -> None:
+    """An error after norm ran and before output did leaves the head group's
+    forward open; reset_iter_state closes it (on every rank, as documented)."""
+
+    def fail(*_args) -> None:
+        raise RuntimeError("injected between norm and output")
+
+    handle = model.output.register_forward_pre_hook(fail)  # after fsdp2's (prepended) hook
+    with pytest.raises(RuntimeError, match="injected"):
+        lm_loss(model, *local_batch(global_batch(TOKENS, 99), rank, world_size))
+    handle.remove()
+    assert model.norm._fsdp_state.modules_to_run, "the group's forward should be left open"
+    model.reset_iter_state()
+    check_all_resharded(model, "after reset_iter_state")
+    assert all(p.grad is None for p in model.parameters())
+
+
 @pytest.mark.distributed
 def test_module_group_with_modules_that_do_not_run(tmp_path: Path) -> None:
     """With fully_shard([norm, output]) on 2 ranks: steps that skip the norm,
     and steps whose loss calls the output head per chunk after the model's
     forward, train like the reference (the skipped norm gets no grad, as in the
     reference), and every group is resharded after forward, after backward and
-    after the optimizer step."""
+    after the optimizer step. Before them, an error raised between norm and
+    output is recovered by reset_iter_state."""
     run_ranks(_partial_group, 2, tmp_path)
 
 
