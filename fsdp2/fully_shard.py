@@ -241,12 +241,15 @@ def _module_slots(
 
 
 def _mark_sharded(modules: list[nn.Module], named_params: list[tuple[str, nn.Parameter]]) -> None:
-    """Labels each original parameter with where it was sharded (see ``SHARDED_AS``)."""
-    ours = {id(p) for _, p in named_params}
-    for member in modules:
-        for fqn, param in member.named_parameters():
-            if id(param) in ours and SHARDED_AS not in param.__dict__:
-                param.__dict__[SHARDED_AS] = f"{fqn!r} of {type(member).__name__}"
+    """Labels each original parameter with where it was sharded (see ``SHARDED_AS``),
+    by its name in the module that holds it (a list's names start with the
+    module's position, see ``_named_members``)."""
+    for fqn, param in named_params:
+        member = modules[0]
+        if len(modules) > 1:
+            index, fqn = fqn.split(".", 1)
+            member = modules[int(index)]
+        param.__dict__[SHARDED_AS] = f"{fqn!r} of {type(member).__name__}"
 
 
 def _check_no_param_shared_with_nested_group(modules: list[nn.Module]) -> None:
