@@ -449,6 +449,18 @@ def test_weight_tied_between_list_and_root_raises(mesh: DeviceMesh) -> None:
     assert not isinstance(model, FSDPModule)
 
 
+def test_weight_tied_between_list_and_sibling_raises(mesh: DeviceMesh) -> None:
+    """The tied weight taken by [norm, output] is refused by a later call on
+    tok_embeddings (a sibling, not a parent), naming the module that took it."""
+    model = build_lm(weight_tying=True)
+    fully_shard([model.norm, model.output], mesh=mesh)
+    with pytest.raises(
+        ValueError, match=r"'weight' is the same Parameter as 'weight' of Linear.*already sharded"
+    ):
+        fully_shard(model.tok_embeddings, mesh=mesh)
+    assert_untouched(model.tok_embeddings)
+
+
 def test_list_forms_one_group_under_the_root(mesh: DeviceMesh) -> None:
     model = build_lm(weight_tying=True)
     full = {name: p.detach().clone() for name, p in model.named_parameters()}
