@@ -33,7 +33,7 @@ _FSDP_CLASSES: dict[type, type] = {}
 
 
 def fully_shard(
-    module: nn.Module,
+    module: nn.Module | list[nn.Module],
     *,
     mesh: DeviceMesh | None = None,
     reshard_after_forward: bool | int | None = None,
@@ -42,7 +42,7 @@ def fully_shard(
     offload_policy: OffloadPolicy = OffloadPolicy(),  # noqa: B008 (frozen)
     shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
     min_numel_to_shard: int = 0,
-) -> FSDPModule:
+) -> FSDPModule | list[FSDPModule]:
     """Shards ``module``'s parameters over ``mesh`` and communicates them as one group.
 
     Call it bottom-up: each call takes the parameters of ``module`` that no
@@ -51,10 +51,23 @@ def fully_shard(
     group just before ``module`` runs and backward reduce-scatters its
     gradients, averaged over ranks as DDP does.
 
+    A list of modules forms one group for modules that the model calls
+    separately, e.g. ``fully_shard([model.norm, model.output])``: their
+    parameters are all-gathered once, when the first of them runs, and
+    resharded when all of them have run (or, if some do not run, at the end of
+    the model's forward). Backward all-gathers and reduce-scatters the group
+    once too. A module of the list must not contain another; the parameters
+    of all of them are taken together, so a parameter tied between them stays
+    tied. Each module gets the class swap and shares the group, so the
+    ``FSDPModule`` methods of any of them act on the whole group. A list is
+    never the root: shard a module containing them all afterwards.
+
     Args:
-        module: the module whose parameters form one group. Its class is
-            swapped in place to ``FSDP<Name>``, a subclass of ``FSDPModule``
-            and the original class, and the same object is returned.
+        module: the module whose parameters form one group, or a list of
+            modules whose parameters form one group together. Its class (each
+            one's) is swapped in place to ``FSDP<Name>``, a subclass of
+            ``FSDPModule`` and the original class, and the same object (the
+            same list) is returned.
         mesh: a 1D DeviceMesh to shard over, or a 2D one ``(replicate,
             shard)`` for HSDP: sharded over axis 1, replicated over axis 0,
             gradients reduce-scattered inside the shard group then all-reduced
@@ -88,9 +101,9 @@ def fully_shard(
     joined ``(dp, tp)`` mesh; forward computes with their TP layout.
 
     Returns:
-        The same module, now an ``FSDPModule``.
+        The same module, now an ``FSDPModule`` (or the same list of them).
     """
-    check_module(module)
+    modules = _module_list(module)
     mesh = resolve_mesh(mesh)
     check_policies(mp_policy, offload_policy)
     mesh_info = MeshInfo.from_mesh(mesh)
@@ -99,18 +112,18 @@ def fully_shard(
     )
     device = device_from_mesh(mesh)
     ignored = set(ignored_params or ())
-    named_params = [(fqn, p) for fqn, p in _unowned_params(module) if p not in ignored]
-    _check_no_param_shared_with_nested_group(module)
+    named_params = [(fqn, p) for fqn, p in _unowned_params(modules) if p not in ignored]
+    _check_no_param_shared_with_nested_group(modules)
     check_params(named_params, mesh, device, mp_policy)
     dims = shard_dims(named_params, shard_placement_fn, mesh_info.shard_world_size)
     check_min_numel_to_shard(min_numel_to_shard)
 
-    state = FSDPState(module, mesh_info, device, reshard_after_forward, mp_policy)
-    for nested in _nested_states(module):
+    state = FSDPState(modules, mesh_info, device, reshard_after_forward, mp_policy)
+    for nested in _nested_states(modules):
         if nested.parent is None:
             nested.parent = state
     if named_params:
-        slots = _module_slots(module, named_params)
+        slots = _module_slots(modules, named_params)
         fsdp_params = [
             FSDPParam(
                 param,
@@ -125,19 +138,20 @@ def fully_shard(
             )
             for (fqn, param), dim in zip(named_params, dims, strict=True)
         ]
-        for fqn, param in named_params:
-            param.__dict__[SHARDED_AS] = f"{fqn!r} of {type(module).__name__}"
+        _mark_sharded(modules, named_params)
         state.param_group = FSDPParamGroup(
             fsdp_params,
-            module,
+            modules,
             mesh_info,
             state.ctx,
             reshard_after_forward=reshard_after_forward is not False,
             post_forward_mesh_info=post_forward_mesh_info,
         )
-        register_load_state_dict_hook(module, fsdp_params)
-    module.__dict__["_fsdp_state"] = state
-    _swap_class(module)
+        for member in modules:
+            register_load_state_dict_hook(member, fsdp_params)
+    for member in modules:
+        member.__dict__["_fsdp_state"] = state
+        _swap_class(member)
     return module  # type: ignore[return-value]
 
 
@@ -159,62 +173,160 @@ def _local_numel(param: nn.Parameter) -> int:
     return (param.to_local() if isinstance(param, DTensor) else param).numel()
 
 
-def _nested_states(module: nn.Module) -> list[FSDPState]:
-    return [
-        state
-        for submodule in module.modules()
-        if submodule is not module and (state := get_fsdp_state(submodule)) is not None
-    ]
+def _module_list(module: nn.Module | list[nn.Module]) -> list[nn.Module]:
+    """The modules of one call, checked: ``[module]``, or the list's modules."""
+    if not isinstance(module, list | tuple):
+        check_module(module)
+        return [module]
+    if not module:
+        raise ValueError(
+            "fully_shard got an empty list. Pass a module, or a list of the modules whose "
+            "parameters should form one group, e.g. fully_shard([model.norm, model.output])."
+        )
+    index: dict[int, int] = {}  # id(module) -> position in the list
+    for i, member in enumerate(module):
+        if not isinstance(member, nn.Module):
+            raise TypeError(
+                f"fully_shard expects a module or a list of modules, but element {i} of the "
+                f"list is a {type(member).__name__}. Put only nn.Modules in the list."
+            )
+        if id(member) in index:
+            raise ValueError(
+                f"fully_shard: the list holds the same {type(member).__name__} twice (elements "
+                f"{index[id(member)]} and {i}). List each module once."
+            )
+        index[id(member)] = i
+    for i, member in enumerate(module):
+        for name, submodule in member.named_modules():
+            if submodule is not member and (j := index.get(id(submodule))) is not None:
+                raise ValueError(
+                    f"fully_shard: element {j} of the list ({type(submodule).__name__}) is "
+                    f"inside element {i} ({type(member).__name__}, as {name!r}), whose "
+                    f"parameters already include it. Remove element {j} from the list."
+                )
+    for i, member in enumerate(module):
+        if "_fsdp_state" in member.__dict__:
+            raise ValueError(
+                f"fully_shard: element {i} of the list ({type(member).__name__}) is already "
+                "sharded by an earlier fully_shard call, and a module belongs to one group. "
+                "Leave it out of the list, or drop the earlier call."
+            )
+        check_module(member)
+    return list(module)
 
 
-def _unowned_params(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    """Parameters of ``module`` outside every nested ``fully_shard``'d module, with
-    their names: what a nested call took or chose to ignore is not ours."""
-    nested = {id(p) for state in _nested_states(module) for p in state.module.parameters()}
-    return [(fqn, p) for fqn, p in module.named_parameters() if id(p) not in nested]
+def _named_members(modules: list[nn.Module]) -> list[tuple[str, nn.Module]]:
+    """Each module of the call with the prefix of its names in this call: none for a
+    single module, its position in the list (``"1."``) for a list."""
+    if len(modules) == 1:
+        return [("", modules[0])]
+    return [(f"{i}.", member) for i, member in enumerate(modules)]
+
+
+def _module_paths(modules: list[nn.Module]) -> dict[int, str]:
+    """Path, as named in this call, of every submodule of the modules of the call."""
+    return {
+        id(submodule): f"{prefix}{name}".removesuffix(".")
+        for prefix, member in _named_members(modules)
+        for name, submodule in member.named_modules()
+    }
+
+
+def _nested_states(modules: list[nn.Module]) -> list[FSDPState]:
+    """States of earlier calls on submodules, each once (a list's state is on each of its modules)."""
+    states = (
+        get_fsdp_state(submodule)
+        for member in modules
+        for submodule in member.modules()
+        if submodule is not member
+    )
+    return list(dict.fromkeys(state for state in states if state is not None))
+
+
+def _unowned_params(modules: list[nn.Module]) -> list[tuple[str, nn.Parameter]]:
+    """Parameters of ``modules`` outside every nested ``fully_shard``'d module, with
+    their names: what a nested call took or chose to ignore is not ours. A parameter
+    tied between two modules of a list is listed once."""
+    nested = {
+        id(p)
+        for state in _nested_states(modules)
+        for nested_module in state.modules
+        for p in nested_module.parameters()
+    }
+    seen = set()
+    params = []
+    for prefix, member in _named_members(modules):
+        for fqn, p in member.named_parameters():
+            if id(p) not in nested and id(p) not in seen:
+                seen.add(id(p))
+                params.append((prefix + fqn, p))
+    return params
 
 
 def _module_slots(
-    module: nn.Module, named_params: list[tuple[str, nn.Parameter]]
+    modules: list[nn.Module], named_params: list[tuple[str, nn.Parameter]]
 ) -> dict[int, list[ModuleSlot]]:
     """Every ``(submodule, name)`` that holds each parameter, so tied parameters stay tied."""
     slots: dict[int, list[ModuleSlot]] = {id(p): [] for _, p in named_params}
-    for submodule in module.modules():
+    submodules = dict.fromkeys(m for member in modules for m in member.modules())
+    for submodule in submodules:
         for name, param in submodule._parameters.items():
             if param is not None and id(param) in slots:
                 slots[id(param)].append(ModuleSlot(submodule, name))
     return slots
 
 
-def _check_no_param_shared_with_nested_group(module: nn.Module) -> None:
+def _mark_sharded(modules: list[nn.Module], named_params: list[tuple[str, nn.Parameter]]) -> None:
+    """Labels each original parameter with where it was sharded (see ``SHARDED_AS``),
+    by its name in the module that holds it (a list's names start with the
+    module's position, see ``_named_members``)."""
+    for fqn, param in named_params:
+        member = modules[0]
+        if len(modules) > 1:
+            index, fqn = fqn.split(".", 1)
+            member = modules[int(index)]
+        param.__dict__[SHARDED_AS] = f"{fqn!r} of {type(member).__name__}"
+
+
+def _check_no_param_shared_with_nested_group(modules: list[nn.Module]) -> None:
     """A parameter owned by a nested group must not also be registered outside it:
     that module would compute with the sharded DTensor (tied after sharding) or
     shard a second copy (tied before sharding, so it still holds the original)."""
-    nested = _nested_states(module)
-    inside_nested = {id(m) for state in nested for m in state.module.modules()}
-    paths = {id(m): name for name, m in module.named_modules()}
+    nested = _nested_states(modules)
+    inside_nested = {
+        id(m)
+        for state in nested
+        for nested_module in state.modules
+        for m in nested_module.modules()
+    }
+    paths = _module_paths(modules)
     owner_of = {}
     for state in nested:
         if state.param_group is None:
             continue
         for fsdp_param in state.param_group.fsdp_params:
-            owner = f"{paths[id(state.module)]}.{fsdp_param.fqn}"
+            slot = fsdp_param.slots[0]
+            owner = fsdp_param.fqn
+            if (path := paths.get(id(slot.module))) is not None:
+                owner = f"{path}.{slot.name}" if path else slot.name
             owner_of[id(fsdp_param.sharded_param)] = owner
             if (orig := fsdp_param.orig_param_ref()) is not None:
                 owner_of[id(orig)] = owner
-    for module_name, submodule in module.named_modules():
-        if id(submodule) in inside_nested:
-            continue
-        for name, param in submodule._parameters.items():
-            if param is not None and id(param) in owner_of:
-                where = f"{module_name}.{name}" if module_name else name
-                raise ValueError(
-                    f"fully_shard: parameter {where!r} is the same Parameter as "
-                    f"{owner_of[id(param)]!r}, which an earlier fully_shard call on a submodule "
-                    "already sharded. A parameter shared by two groups is not supported: "
-                    "untie them, or shard the modules that share it in one call (the common "
-                    "parent)."
-                )
+    for prefix, member in _named_members(modules):
+        for module_name, submodule in member.named_modules():
+            if id(submodule) in inside_nested:
+                continue
+            for name, param in submodule._parameters.items():
+                if param is not None and id(param) in owner_of:
+                    where = f"{prefix}{module_name}.{name}" if module_name else f"{prefix}{name}"
+                    raise ValueError(
+                        f"fully_shard: parameter {where!r} is the same Parameter as "
+                        f"{owner_of[id(param)]!r}, which an earlier fully_shard call on a "
+                        "submodule already sharded. A parameter shared by two groups is not "
+                        "supported: untie them, or shard the modules that share it in one call "
+                        "(the common parent, or a list of modules such as "
+                        "fully_shard([model.tok_embeddings, model.output]))."
+                    )
 
 
 def _swap_class(module: nn.Module) -> None:

@@ -14,6 +14,10 @@ state.py:
          --pre_backward--> PRE_BACKWARD --post_backward--> POST_BACKWARD
          --finalize_backward (end of backward)--> IDLE
 
+A group of several modules (``fully_shard([a, b])``) gets one ``pre_forward``
+per module call and one ``post_forward`` once they have all run; see
+[Note: one group, several modules] in state.py.
+
 See docs/design.md for the whole picture.
 """
 
@@ -47,7 +51,7 @@ class FSDPParamGroup:
     def __init__(
         self,
         fsdp_params: list[FSDPParam],
-        module: nn.Module,
+        modules: list[nn.Module],
         mesh_info: MeshInfo,
         ctx: RootContext,
         reshard_after_forward: bool,
@@ -57,7 +61,7 @@ class FSDPParamGroup:
         # All-gathered, vs. kept whole on every rank (min_numel_to_shard).
         self.sharded_params = [p for p in fsdp_params if not p.replicated]
         self.replicated_params = [p for p in fsdp_params if p.replicated]
-        self.module = module
+        self.modules = tuple(modules)  # the modules passed to fully_shard
         self.mesh_info = mesh_info
         self.ctx = ctx  # replaced by the root's context at lazy init
         self.reshard_after_forward = reshard_after_forward
@@ -71,12 +75,15 @@ class FSDPParamGroup:
         # small group, flat (post-forward slot of each parameter, in order).
         self._post_forward_shard: torch.Tensor | None = None
         self.fqn = ""  # module path from the root, set at lazy init
-        self.name = type(module).__name__  # for messages: the path, or "(root)"; see lazy init
+        # For messages: the path(s) from the root, or "(root)"; see lazy init.
+        self.name = ", ".join(type(m).__name__ for m in modules)
         self.training_state = TrainingState.IDLE
         self.sharded_state = ShardedState.SHARDED
         self._all_gather: AllGatherInFlight | None = None
         # Positions of this group in ctx.post_forward_order, one per forward call.
         self._post_forward_indices: list[int] = []
+        # The PostBackward nodes of the forward in progress (see pre_forward).
+        self._post_backward_count: PostBackwardCount | None = None
 
     def _fail(self, message: str) -> AssertionError:
         return AssertionError(f"[rank {self.mesh_info.shard_rank}] group {self.name!r}: {message}")
@@ -171,11 +178,16 @@ class FSDPParamGroup:
     # -- forward ----------------------------------------------------------
 
     def pre_forward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple, dict]:
+        """Unshards and wraps the inputs in ``PostBackward``. Called once per module
+        call: a group of several modules is called again, still in FORWARD, for
+        each further module, until ``post_forward`` ends its forward."""
         if self.training_state is TrainingState.PRE_BACKWARD:
             # Forward recomputed inside backward (activation checkpointing).
             self.unshard()
             self.wait_for_unshard()
             return args, kwargs
+        if self.training_state is not TrainingState.FORWARD:
+            self._post_backward_count = PostBackwardCount()
         self.training_state = TrainingState.FORWARD
         self.unshard()
         self.wait_for_unshard()
@@ -203,10 +215,13 @@ class FSDPParamGroup:
         positions = [
             i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.requires_grad
         ]
+        count = self._post_backward_count
         if not positions:
             # Post-backward then runs from the final callback (see state.py).
+            count.final_callback_only = True
             return args, kwargs
-        outputs = PostBackward.apply(self, *(leaves[i] for i in positions))
+        count.registered += 1
+        outputs = PostBackward.apply(self, count, *(leaves[i] for i in positions))
         for i, output in zip(positions, outputs, strict=True):
             leaves[i] = output
         return tree_unflatten(leaves, spec)
@@ -332,6 +347,7 @@ class FSDPParamGroup:
             fsdp_param.partial_grad = None
             fsdp_param.sharded_param.grad = None
         self._post_forward_indices.clear()
+        self._post_backward_count = None
         self.training_state = TrainingState.IDLE
 
     def finalize_backward(self) -> None:
@@ -342,20 +358,46 @@ class FSDPParamGroup:
         return f"FSDPParamGroup({self.name!r}, {len(self.fsdp_params)} params)"
 
 
+class PostBackwardCount:
+    """The ``PostBackward`` nodes of one forward of a group: one per module call
+    whose inputs required grad (a group of several modules has one call per
+    module). Only when all of them have run is every gradient of that forward
+    accumulated, so the last one runs post-backward. A call with no such input
+    has no node to say when its gradients are done: the final callback runs
+    post-backward instead."""
+
+    def __init__(self) -> None:
+        self.registered = 0
+        self.ran = 0
+        self.final_callback_only = False
+
+    def node_ran(self) -> bool:
+        """Counts one node's backward; True if it was the last of the forward."""
+        self.ran += 1
+        if self.ran < self.registered:
+            return False
+        self.ran = 0  # a second backward through the same graph counts again
+        return not self.final_callback_only
+
+
 class PostBackward(torch.autograd.Function):
     """Identity on a group's forward inputs whose backward runs the group's post-backward.
 
     The gradient with respect to the inputs is computed after every parameter
     gradient of the module has been accumulated (the engine runs
-    AccumulateGrad nodes first), so the group's gradients are complete here.
+    AccumulateGrad nodes first), so the module's gradients are complete here;
+    the group's are once every module call of the forward has got here
+    (``PostBackwardCount``).
     """
 
     @staticmethod
-    def forward(ctx, group: FSDPParamGroup, *inputs: torch.Tensor):
+    def forward(ctx, group: FSDPParamGroup, count: PostBackwardCount, *inputs: torch.Tensor):
         ctx.group = group
+        ctx.count = count
         return inputs
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
-        ctx.group.post_backward()
-        return (None, *grads)
+        if ctx.count.node_ran():
+            ctx.group.post_backward()
+        return (None, None, *grads)

@@ -13,6 +13,9 @@ owns parameters) and four hooks:
   per backward, unshard, prefetch the next group of backward.
 - final callback (queued on the autograd engine): finish groups whose
   post-backward never ran, wait for the last reduce-scatter, reset.
+
+A ``fully_shard([a, b])`` state puts the same hooks on each of its modules;
+see [Note: one group, several modules].
 """
 
 from __future__ import annotations
@@ -86,6 +89,8 @@ class RootContext:
                     logger.warning("fsdp2: dropping a failed gradient reduction while resetting")
         self.reduce_scatter_in_flight = None
         self.all_reduce_in_flight = None
+        for state in self.states:
+            state.modules_to_run.clear()
         self.forward_root = None
         self.post_forward_order.clear()
         self.pre_forward_order.clear()
@@ -142,6 +147,14 @@ class RootContext:
             self.pre_forward_order = []
         self.forward_started.clear()
 
+    def finish_partial_forwards(self, forward_root: FSDPState) -> None:
+        """End of the outermost forward: a group of several modules of which only
+        some ran ends its forward now (see [Note: one group, several modules])."""
+        for state in reversed(self.states):  # innermost first, as post-hooks unwind
+            if state is not forward_root and state.modules_to_run:
+                state.modules_to_run.clear()
+                state.param_group.post_forward()
+
     def queue_final_callback(self) -> None:
         """Once per backward: run :meth:`_final_callback` when the engine is done."""
         if not self.final_callback_queued:
@@ -153,6 +166,8 @@ class RootContext:
         with torch.profiler.record_function("fsdp2::final_callback"):
             # Reverse pre-order approximates backward order for the stragglers.
             for state in reversed(self.states):
+                # Empty unless a forward was left open: the outermost forward closes them.
+                state.modules_to_run.clear()
                 group = state.param_group
                 if group is None:
                     continue
@@ -178,15 +193,31 @@ def get_fsdp_state(module: nn.Module) -> FSDPState | None:
 
 
 class FSDPState:
+    """The hooks of one ``fully_shard`` call, on each of its modules.
+
+    [Note: one group, several modules]
+    ``fully_shard([norm, output])`` makes one state and one group for several
+    modules that the model may call separately, and hooks each of them. The
+    group's forward starts with whichever of them runs first (all-gather,
+    prefetch) and ends when all of them have run (reshard): ``modules_to_run``
+    holds the ones still to come. If only some run, the group's forward ends at
+    the end of the outermost forward instead (``finish_partial_forwards``).
+    Every module call wraps its inputs in ``PostBackward`` and hooks its
+    outputs for pre-backward, so backward unshards at whichever module's
+    gradient arrives first, and post-backward runs once every module's
+    ``PostBackward`` has (see ``PostBackwardCount`` in param_group.py). A
+    single module is the case of one.
+    """
+
     def __init__(
         self,
-        module: nn.Module,
+        modules: list[nn.Module],
         mesh_info: MeshInfo,
         device: torch.device,
         reshard_after_forward: bool | int | None,
         mp_policy: MixedPrecisionPolicy,
     ) -> None:
-        self.module = module
+        self.modules = tuple(modules)
         self.mesh_info = mesh_info
         self.device = device
         self.mp_policy = mp_policy
@@ -200,8 +231,16 @@ class FSDPState:
         # None: prefetch implicitly, the group that ran next in the previous forward.
         self.forward_prefetch: list[FSDPState] | None = None
         self.backward_prefetch: list[FSDPState] = []
-        module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
-        module.register_forward_hook(self._post_forward, prepend=False)
+        # The modules whose forward is still to come in the group's current forward.
+        self.modules_to_run: set[nn.Module] = set()
+        for module in self.modules:
+            module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
+            module.register_forward_hook(self._post_forward, prepend=False)
+
+    @property
+    def module_names(self) -> str:
+        """For messages: the class names of the modules."""
+        return ", ".join(type(m).__name__ for m in self.modules)
 
     # -- lazy init --------------------------------------------------------
 
@@ -211,22 +250,35 @@ class FSDPState:
             return
         if self.parent is not None:
             raise RuntimeError(
-                f"fsdp2: the forward of a sharded {type(self.module).__name__} ran before the "
-                f"forward of {type(self.parent.module).__name__}, the sharded module that "
+                f"fsdp2: the forward of a sharded {self.module_names} ran before the "
+                f"forward of {self.parent.module_names}, the sharded module that "
                 "contains it. Call the outermost sharded module as model(...) for the first "
                 "forward, not model.forward(...) (that skips its hooks) and not a submodule."
             )
+        if len(self.modules) > 1:
+            raise RuntimeError(
+                f"fsdp2: the modules sharded together by fully_shard([...]) ({self.module_names}) "
+                "ran forward without a sharded module containing them, but a model needs one "
+                "root. Also call fully_shard on the module that contains them all (e.g. "
+                "fully_shard(model) last), and call that module."
+            )
         self.is_root = True
         ctx = self.ctx
-        for name, module in self.module.named_modules():
+        root_module = self.modules[0]
+        paths: dict[FSDPState, list[str]] = {}  # module paths of each state, in pre-order
+        for name, module in root_module.named_modules():
             state = get_fsdp_state(module)
             if state is None:
                 continue
+            if state in paths:  # a further module of a fully_shard([...]) group
+                paths[state].append(name)
+                continue
+            paths[state] = [name]
             if state is not self:
                 if state.is_root is not None:
                     raise RuntimeError(
                         f"fully_shard: {name!r} already ran forward as its own root before "
-                        f"{type(self.module).__name__} did. Run the first forward through the "
+                        f"{self.module_names} did. Run the first forward through the "
                         "outermost sharded module (the root), not a submodule."
                     )
                 state.is_root = False
@@ -234,22 +286,18 @@ class FSDPState:
                 _check_root_only_settings(state, name)
             ctx.states.append(state)
             state.ctx = ctx
-            group = state.param_group
-            if group is None:
-                continue
-            group.ctx = ctx
-            group.fqn = name
-            group.name = name or "(root)"
-            for fsdp_param in group.fsdp_params:
-                fsdp_param.fqn = f"{name}.{fsdp_param.fqn}" if name else fsdp_param.fqn
+            if state.param_group is not None:
+                state.param_group.ctx = ctx
+        module_paths = {id(m): name for name, m in root_module.named_modules()}
+        for state, names in paths.items():
+            if state.param_group is not None:
+                _name_from_root(state.param_group, names, module_paths)
         if self.param_group is not None and self.reshard_after_forward_arg is None:
             # The root's parameters are needed again first thing in backward.
             self.param_group.reshard_after_forward = False
         detail = os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL"
         ctx.enable_order_check(ctx.check_execution_order or detail)
-        logger.debug(
-            "lazy init: root %s with %d groups", type(self.module).__name__, len(ctx.groups)
-        )
+        logger.debug("lazy init: root %s with %d groups", self.module_names, len(ctx.groups))
 
     # -- forward ----------------------------------------------------------
 
@@ -273,6 +321,9 @@ class FSDPState:
         if group.training_state is TrainingState.PRE_BACKWARD:
             return group.pre_forward(args, kwargs)  # recomputation inside backward
         args, kwargs = group.pre_forward(args, kwargs)
+        if self.modules_to_run:
+            return args, kwargs  # a further module of the group's forward in progress
+        self.modules_to_run.update(self.modules)
         self.ctx.pre_forward_order.append(group)
         self.ctx.forward_started.add(group)
         if self.forward_prefetch is None:
@@ -290,11 +341,18 @@ class FSDPState:
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         group = self.param_group
         in_backward = group is not None and group.training_state is TrainingState.PRE_BACKWARD
-        if group is not None:
-            group.post_forward()
+        is_forward_root = self.ctx.forward_root is self
+        if is_forward_root:
+            self.ctx.finish_partial_forwards(self)
+        if group is not None and not in_backward:
+            self.modules_to_run.discard(module)
+            if is_forward_root:
+                self.modules_to_run.clear()  # its other modules did not run
+            if not self.modules_to_run:
+                group.post_forward()
         if torch.is_grad_enabled() and not in_backward:
             _register_tensor_hooks(output, self._pre_backward)
-        if self.ctx.forward_root is self:
+        if is_forward_root:
             self.ctx.forward_root = None
             # A forward prefetch whose module did not run this time must not be
             # used later: the optimizer may change the shards in between.
@@ -317,6 +375,20 @@ class FSDPState:
             for target in self.backward_prefetch:
                 if target.param_group is not None:
                     target.param_group.unshard()
+
+
+def _name_from_root(group: FSDPParamGroup, paths: list[str], module_paths: dict[int, str]) -> None:
+    """Names a group and its parameters by their paths from the root (lazy init)."""
+    group.fqn = ", ".join(paths)
+    group.name = group.fqn or "(root)"
+    for fsdp_param in group.fsdp_params:
+        if len(group.modules) == 1:
+            fsdp_param.fqn = f"{paths[0]}.{fsdp_param.fqn}" if paths[0] else fsdp_param.fqn
+        elif (path := module_paths.get(id(fsdp_param.slots[0].module))) is not None:
+            # Named by position in the list until now; where it sits is clearer.
+            fsdp_param.fqn = (
+                f"{path}.{fsdp_param.slots[0].name}" if path else fsdp_param.slots[0].name
+            )
 
 
 def _register_tensor_hooks(output: Any, hook) -> None:

@@ -7,12 +7,12 @@ from dataclasses import dataclass
 import torch.distributed as dist
 import torch.nn as nn
 
-from .state import get_fsdp_state
+from .state import FSDPState, get_fsdp_state
 
 
 @dataclass(frozen=True)
 class GroupSummary:
-    module: str  # path from the model ("" for the model itself)
+    module: str  # path from the model ("" for the model itself); "norm, output" for a list
     num_params: int  # parameters (tensors) in the group
     numel: int  # elements, unsharded
     unsharded_bytes: int  # of the all-gathered parameters, in the compute dtype
@@ -37,11 +37,13 @@ def summary(model: nn.Module, *, print_table: bool = True) -> list[GroupSummary]
     Returns:
         One ``GroupSummary`` per group, in module order.
     """
-    rows = []
+    paths: dict[FSDPState, list[str]] = {}  # module paths of each state; a list's has several
     for path, module in model.named_modules():
         state = get_fsdp_state(module)
-        if state is None or state.param_group is None:
-            continue
+        if state is not None and state.param_group is not None:
+            paths.setdefault(state, []).append(path)
+    rows = []
+    for state, state_paths in paths.items():
         group = state.param_group
         params = group.fsdp_params
         world_size = group.mesh_info.shard_world_size
@@ -53,7 +55,7 @@ def summary(model: nn.Module, *, print_table: bool = True) -> list[GroupSummary]
         numel = sum(p.unsharded_size.numel() for p in params)  # TP: this rank's part
         rows.append(
             GroupSummary(
-                module=path,
+                module=", ".join(state_paths),
                 num_params=len(params),
                 numel=numel,
                 unsharded_bytes=numel * itemsize,
@@ -62,7 +64,7 @@ def summary(model: nn.Module, *, print_table: bool = True) -> list[GroupSummary]
                 # Distinct ones: TP, shard_placement_fn and replication mix them.
                 placements=" | ".join(dict.fromkeys(str(p.placements) for p in params)),
                 mesh=f"{tuple(group.mesh_info.mesh.shape)} {group.mesh_info.mesh.device_type}",
-                reshard_after_forward=_reshard_policy(state, is_root=module is model),
+                reshard_after_forward=_reshard_policy(state, is_root=model in state.modules),
                 param_dtype=str(group.param_dtype).removeprefix("torch."),
                 reduce_dtype=str(params[0].reduce_dtype).removeprefix("torch."),
             )

@@ -375,6 +375,21 @@ def test_root_forward_called_directly_raises(fake_mesh: DeviceMesh) -> None:
     model(global_batch(0)[0])  # the right call works
 
 
+def test_block_that_ran_as_its_own_root_raises(fake_mesh: DeviceMesh) -> None:
+    """A block that ran forward before its parent was sharded became a root of
+    its own; the parent's first forward refuses to adopt it, naming both."""
+    model = build_net()
+    mesh = _one_rank_mesh()
+    for block in model.layers:
+        fsdp2.fully_shard(block, mesh=mesh)
+    model.layers[0](torch.randn(2, DIM))
+    fsdp2.fully_shard(model, mesh=mesh)
+    with pytest.raises(
+        RuntimeError, match=r"'layers\.0' already ran forward as its own root before FSDPNet did"
+    ):
+        model(global_batch(0)[0])
+
+
 def test_deepcopy_raises(fake_mesh: DeviceMesh) -> None:
     model = shard_net(build_net(), fake_mesh)
     for module in (model, model.layers[1]):
