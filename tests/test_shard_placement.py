@@ -12,7 +12,9 @@ global batch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -21,6 +23,7 @@ import torch.nn.functional as F
 from dist import labelled, run_ranks
 from models import global_mean, local_batch, make_optimizer
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard as torch_fully_shard  # the reference only
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.testing import assert_close
 
@@ -29,6 +32,9 @@ import fsdp2
 pytestmark = pytest.mark.distributed
 
 TOL = {"rtol": 1e-5, "atol": 1e-5}
+# Against torch's fully_shard with the same shard_placement_fn: the same local
+# computation and reduce-scatter layout (see tests/test_parity.py).
+TORCH_TOL = {"rtol": 1e-6, "atol": 0.0}
 STEPS = 3
 BATCH = 8  # global: divisible by 2 and 4
 IN_DIM, DIM, HIDDEN, OUT_DIM, EXPERTS = 12, 16, 8, 5, 2
@@ -85,16 +91,22 @@ def _shard_dim(name: str, param: torch.Tensor) -> int:
     return SHARD_ON.get(name, 0) % param.dim()
 
 
-def _shard(model: ExpertModel, mesh: DeviceMesh, **kwargs) -> ExpertModel:
-    """One group per block, then the root; SHARD_ON through shard_placement_fn."""
+def _shard(
+    model: ExpertModel,
+    mesh: DeviceMesh,
+    fully_shard: Callable[..., nn.Module] = fsdp2.fully_shard,
+    **kwargs: Any,
+) -> ExpertModel:
+    """One group per block, then the root; SHARD_ON through shard_placement_fn.
+    ``fully_shard`` is fsdp2's or torch's."""
     by_id = {id(p): Shard(SHARD_ON[n]) for n, p in model.named_parameters() if n in SHARD_ON}
 
     def placement(param: nn.Parameter) -> Shard | None:
         return by_id.get(id(param))
 
     for layer in model.layers:
-        fsdp2.fully_shard(layer, mesh=mesh, shard_placement_fn=placement, **kwargs)
-    fsdp2.fully_shard(model, mesh=mesh, shard_placement_fn=placement, **kwargs)
+        fully_shard(layer, mesh=mesh, shard_placement_fn=placement, **kwargs)
+    fully_shard(model, mesh=mesh, shard_placement_fn=placement, **kwargs)
     return model
 
 
@@ -191,6 +203,40 @@ def _train(
             optim.zero_grad()
 
 
+def _against_torch(mesh: DeviceMesh) -> None:
+    """Placements, local shards, local losses and local grads equal torch's
+    fully_shard's with the same shard_placement_fn, for STEPS steps."""
+    rank, world_size = mesh.get_rank(), mesh.size()
+    model = _shard(_build(), mesh)
+    torch_model = _shard(_build(), mesh, torch_fully_shard)
+    optims = make_optimizer(model), make_optimizer(torch_model)
+    for step in range(STEPS):
+        batch = local_batch(_batch(step), rank, world_size)
+        loss, torch_loss = _loss(model, *batch), _loss(torch_model, *batch)
+        loss.backward()
+        torch_loss.backward()
+        assert_close(loss, torch_loss, **TORCH_TOL, msg=lambda m, s=step: f"step {s} loss: {m}")
+        for name, param in model.named_parameters():
+            torch_param = torch_model.get_parameter(name)
+            assert param.placements == torch_param.placements, (name, torch_param.placements)
+            assert_close(
+                param.grad.to_local(),
+                torch_param.grad.to_local(),
+                **TORCH_TOL,
+                msg=lambda m, n=name, s=step: f"step {s}: {n}.grad local shard: {m}",
+            )
+        for optim in optims:
+            optim.step()
+            optim.zero_grad()
+    for name, param in model.named_parameters():
+        assert_close(
+            param.to_local(),
+            torch_model.get_parameter(name).to_local(),
+            **TORCH_TOL,
+            msg=lambda m, n=name: f"{n} local shard: {m}",
+        )
+
+
 def _hsdp(world_size: int) -> None:
     """A (replicate, shard) mesh: the shard group is half the world."""
     mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("replicate", "shard"))
@@ -215,6 +261,9 @@ def _parity(rank: int, world_size: int) -> None:
             _train(model, ref, mesh, accumulate)
             _check_params(model, ref, mesh, exact=False)
 
+    with labelled("against torch's fully_shard"):
+        _against_torch(mesh)
+
     with labelled("load_state_dict of full tensors"):
         model = _shard(_build(), mesh)
         other = _build(seed=1)  # different values, same shapes
@@ -223,6 +272,15 @@ def _parity(rank: int, world_size: int) -> None:
         # The loaded values are what forward all-gathers: training matches.
         _train(model, other, mesh, first_step=STEPS)
         _check_params(model, other, mesh, exact=False)
+
+    with labelled("load_state_dict of DTensors sharded on dim 0"):
+        source = _build(seed=1)
+        for layer in source.layers:
+            fsdp2.fully_shard(layer, mesh=mesh)
+        fsdp2.fully_shard(source, mesh=mesh)  # no shard_placement_fn: all Shard(0)
+        model = _shard(_build(), mesh)
+        model.load_state_dict(source.state_dict())  # DTensor redistributes to Shard(d)
+        _check_params(model, _build(seed=1), mesh, exact=True)
 
     if world_size == 4:
         with labelled("HSDP on a 2x2 mesh"):
@@ -236,8 +294,10 @@ def test_shard_placement_parity(world_size: int, tmp_path: Path) -> None:
     torch.chunk's on that dim; losses every step, grads' full tensors and
     trained parameters match the reference (1e-5) with reshard_after_forward
     None, False and 2 (world size 4), and with a first micro-batch under
-    set_requires_gradient_sync(False). load_state_dict of a plain model's full
-    tensors gives its values exactly, and training from them matches it. At
+    set_requires_gradient_sync(False); local shards, losses and grads equal
+    torch's fully_shard's with the same function (1e-6). load_state_dict of a plain model's full
+    tensors gives its values exactly, and training from them matches it; so
+    does load_state_dict of a Shard(0)-sharded copy's DTensors. At
     world size 4, HSDP on a 2x2 (replicate, shard) mesh too: expert weights are
     placed (Replicate(), Shard(1)) holding torch.chunk's piece over the shard
     group, and training matches the reference."""
