@@ -6,14 +6,16 @@ so these tests only look at construction, never at communication.
 """
 
 import copy
-from collections.abc import Iterator
+import re
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import fsdp2
@@ -314,3 +316,277 @@ def test_deepcopy_of_unsharded_parent_of_sharded_child_raises(mesh: DeviceMesh) 
     fully_shard(model[0], mesh=mesh)
     with pytest.raises(RuntimeError, match=r"deepcopy of a sharded module \(FSDPMLP\)"):
         copy.deepcopy(model)
+
+
+# -- shard_placement_fn ----------------------------------------------------
+
+
+def _params_by_name(model: nn.Module) -> dict[str, nn.Parameter]:
+    return dict(model.named_parameters())
+
+
+def assert_params_unchanged(model: nn.Module, before: dict[str, nn.Parameter]) -> None:
+    """The same Parameter objects as before the failed call."""
+    after = _params_by_name(model)
+    assert after.keys() == before.keys()
+    for name, param in after.items():
+        assert param is before[name], f"{name} was replaced"
+
+
+def _place(placements: dict[str, object], model: nn.Module) -> Callable[[nn.Parameter], object]:
+    """A shard_placement_fn returning ``placements[name]`` (None if absent)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    return lambda param: placements.get(names[id(param)])
+
+
+@pytest.mark.parametrize("fn", [Shard(1), 1, "Shard(1)"], ids=repr)
+def test_shard_placement_fn_not_callable_raises(mesh: DeviceMesh, fn: object) -> None:
+    model = MLP()
+    before = _params_by_name(model)
+    with pytest.raises(
+        TypeError,
+        match=rf"shard_placement_fn must be a function param -> Shard\(dim\) \| None, "
+        rf"got {type(fn).__name__}",
+    ):
+        fully_shard(model, mesh=mesh, shard_placement_fn=fn)  # type: ignore[arg-type]
+    assert_untouched(model, MLP)
+    assert_params_unchanged(model, before)
+
+
+@pytest.mark.parametrize(
+    "placement",
+    [Replicate(), Partial(), 1, _StridedShard(1, split_factor=2)],
+    ids=["Replicate", "Partial", "int", "_StridedShard"],
+)
+def test_shard_placement_fn_returning_non_shard_raises(mesh: DeviceMesh, placement: object) -> None:
+    """Only Shard itself (not a subclass such as _StridedShard) or None."""
+    model = MLP()
+    before = _params_by_name(model)
+    with pytest.raises(
+        TypeError,
+        match=rf"shard_placement_fn returned {re.escape(repr(placement))} for 'down\.weight'; "
+        r"it must return torch\.distributed\.tensor\.Shard\(dim\) or None",
+    ):
+        fully_shard(model, mesh=mesh, shard_placement_fn=_place({"down.weight": placement}, model))
+    assert_untouched(model, MLP)
+    assert_params_unchanged(model, before)
+
+
+@pytest.mark.parametrize(
+    ("name", "dim", "ndim", "shape"),
+    [
+        ("up.weight", 2, 2, (12, 16)),
+        ("up.weight", -3, 2, (12, 16)),
+        ("up.bias", 1, 1, (12,)),
+        ("down.bias", -2, 1, (16,)),
+    ],
+    ids=["2 of 2D", "-3 of 2D", "1 of 1D", "-2 of 1D"],
+)
+def test_shard_placement_fn_dim_out_of_range_raises(
+    mesh: DeviceMesh, name: str, dim: int, ndim: int, shape: tuple[int, ...]
+) -> None:
+    model = MLP()
+    before = _params_by_name(model)
+    with pytest.raises(
+        ValueError,
+        match=rf"returned Shard\({dim}\) for {re.escape(repr(name))}, which has {ndim} dims "
+        rf"\(shape {re.escape(str(shape))}\)\. Return a dim in \[-{ndim}, {ndim}\)",
+    ):
+        fully_shard(model, mesh=mesh, shard_placement_fn=_place({name: Shard(dim)}, model))
+    assert_untouched(model, MLP)
+    assert_params_unchanged(model, before)
+
+
+@pytest.mark.parametrize(
+    ("shape", "dim", "resolved", "size"),
+    [((16, 12), 1, 1, 12), ((16, 12), -1, 1, 12), ((2, 12, 8), 1, 1, 12), ((2, 8, 4), 2, 2, 4)],
+    ids=["dim 1", "dim -1", "3D dim 1", "3D dim 2 smaller than the world"],
+)
+def test_shard_placement_fn_uneven_dim_raises_naming_size_and_world(
+    mesh: DeviceMesh, shape: tuple[int, ...], dim: int, resolved: int, size: int
+) -> None:
+    """A dim > 0 must split evenly over the 8 ranks; the message names the
+    parameter, the dim (resolved), its size and the world size."""
+    model = MLP()
+    model.down.weight = nn.Parameter(torch.randn(shape))
+    before = _params_by_name(model)
+    with pytest.raises(
+        ValueError,
+        match=rf"'down\.weight' is sharded on dim {resolved} of size {size} "
+        rf"\(shape {re.escape(str(shape))}\), which does not split evenly over 8 ranks",
+    ):
+        fully_shard(model, mesh=mesh, shard_placement_fn=_place({"down.weight": Shard(dim)}, model))
+    assert_untouched(model, MLP)
+    assert_params_unchanged(model, before)
+
+
+def test_shard_placement_fn_evenness_is_over_the_shard_group(mesh: DeviceMesh) -> None:
+    """HSDP on (2, 4): a dim of 12 splits over the 4 ranks of the shard group
+    (not the 8 of the mesh); one of 6 does not, and the message says 4 ranks."""
+    hsdp = init_device_mesh("cpu", (2, 4), mesh_dim_names=("replicate", "shard"))
+    model = MLP()  # down.weight is (16, 12)
+    model.up.weight = nn.Parameter(torch.randn(12, 6))
+    with pytest.raises(ValueError, match=r"'up\.weight' is sharded on dim 1 of size 6 .* 4 ranks"):
+        fully_shard(model, mesh=hsdp, shard_placement_fn=_place({"up.weight": Shard(1)}, model))
+    assert_untouched(model, MLP)
+
+    orig = model.down.weight.detach().clone()
+    fully_shard(model, mesh=hsdp, shard_placement_fn=_place({"down.weight": Shard(1)}, model))
+    param = model.down.weight
+    assert param.placements == (Replicate(), Shard(1))
+    assert torch.equal(param.to_local(), torch.chunk(orig, 4, dim=1)[hsdp.get_local_rank(1)])
+    assert model.up.weight.placements == (Replicate(), Shard(0))
+
+
+def test_shard_placement_fn_places_params_and_cuts_chunks_on_their_dim(mesh: DeviceMesh) -> None:
+    """Rank 0 of 8 holds ``torch.chunk(orig, 8, dim=d)[0]``, contiguous; a
+    negative dim is resolved; None and Shard(0) give dim 0, uneven there too.
+    The function sees each original parameter once."""
+    model = MLP(dim=16, hidden=24)  # up.weight (24, 16), down.weight (16, 24)
+    model.up.bias = nn.Parameter(torch.randn(3))  # shorter than the world on dim 0
+    orig = {name: p.detach().clone() for name, p in model.named_parameters()}
+    originals = set(map(id, model.parameters()))
+    placements = {"up.weight": Shard(1), "down.weight": Shard(-1), "up.bias": Shard(0)}
+    seen = []
+    names = {id(p): n for n, p in model.named_parameters()}
+
+    def placement(param: nn.Parameter) -> Shard | None:
+        assert id(param) in originals and not isinstance(param, DTensor)
+        seen.append(names[id(param)])
+        return placements.get(names[id(param)])
+
+    fully_shard(model, mesh=mesh, shard_placement_fn=placement)
+    assert sorted(seen) == sorted(orig)
+    dims = {"up.weight": 1, "down.weight": 1, "up.bias": 0, "down.bias": 0}
+    for name, param in model.named_parameters():
+        dim = dims[name]
+        assert param.placements == (Shard(dim),), f"{name}: {param.placements}"
+        assert param.shape == orig[name].shape
+        local = param.to_local()
+        assert local.is_contiguous(), name
+        assert torch.equal(local, torch.chunk(orig[name], WORLD_SIZE, dim=dim)[0]), name
+
+
+def test_load_state_dict_cuts_full_tensors_on_the_shard_dim(mesh: DeviceMesh) -> None:
+    """The load pre-hook cuts a full tensor on the parameter's dim (no
+    communication: checkable with the fake group); state_dict() returns the
+    Shard(d) DTensors."""
+    model = MLP(dim=16, hidden=24)
+    fully_shard(model, mesh=mesh, shard_placement_fn=_place({"up.weight": Shard(1)}, model))
+    torch.manual_seed(1)
+    full = MLP(dim=16, hidden=24).state_dict()
+    model.load_state_dict(full)
+    state = model.state_dict()
+    assert state["up.weight"].placements == (Shard(1),)
+    assert state["down.weight"].placements == (Shard(0),)
+    for name, param in model.named_parameters():
+        dim = 1 if name == "up.weight" else 0
+        assert torch.equal(param.to_local(), torch.chunk(full[name], WORLD_SIZE, dim=dim)[0]), name
+
+
+# -- DTensor (tensor-parallel) parameters ----------------------------------
+
+
+@pytest.fixture(scope="module")
+def dp_tp(mesh: DeviceMesh) -> DeviceMesh:
+    """(dp=2, tp=4) over the fake world: rank 0's mesh["dp"] is ranks (0, 4),
+    its mesh["tp"] ranks (0, 1, 2, 3)."""
+    return init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
+
+
+def _with_tp_weight(tp_mesh: DeviceMesh, placement: object, shape=(12, 16)) -> MLP:
+    """An MLP whose up.weight is a DTensor on ``tp_mesh`` (local shape ``shape``)."""
+    model = MLP()
+    local = torch.randn(shape)
+    model.up.weight = nn.Parameter(DTensor.from_local(local, tp_mesh, [placement], run_check=False))
+    return model
+
+
+def test_partial_tp_parameter_raises(dp_tp: DeviceMesh) -> None:
+    model = _with_tp_weight(dp_tp["tp"], Partial())
+    before = _params_by_name(model)
+    with pytest.raises(
+        ValueError,
+        match=r"parameter 'up\.weight' is a DTensor placed \(Partial\(sum\),\); only "
+        r"Shard\(dim\) and Replicate\(\) tensor-parallel placements",
+    ):
+        fully_shard(model, mesh=dp_tp["dp"])
+    assert_untouched(model, MLP)
+    assert_params_unchanged(model, before)
+
+
+@pytest.mark.parametrize("which", ["tp passed as the dp mesh", "same ranks, another mesh"])
+def test_dtensor_on_the_ranks_of_the_mesh_raises(
+    dp_tp: DeviceMesh, mesh: DeviceMesh, which: str
+) -> None:
+    """A DTensor on the very ranks fully_shard shards over: the mesh passed is
+    the TP mesh itself, or a separately built mesh of the same ranks."""
+    model = _with_tp_weight(dp_tp["tp"], Shard(0))
+    before = _params_by_name(model)
+    fsdp_mesh = dp_tp["tp"] if which.startswith("tp") else DeviceMesh("cpu", [0, 1, 2, 3])
+    with pytest.raises(
+        ValueError,
+        match=r"parameter 'up\.weight' is already a DTensor on the ranks of the mesh passed "
+        r"to fully_shard \(\(Shard\(dim=0\),\) on .*parallelize over mesh\['tp'\] and "
+        r"shard over mesh\['dp'\]",
+    ):
+        fully_shard(model, mesh=fsdp_mesh)
+    assert_untouched(model, MLP)
+    assert_params_unchanged(model, before)
+
+
+@pytest.mark.parametrize(
+    "which", ["the whole world", "a separate mesh of the dp ranks", "overlapping slices"]
+)
+def test_tp_mesh_not_an_orthogonal_slice_raises(
+    dp_tp: DeviceMesh, mesh: DeviceMesh, which: str
+) -> None:
+    """The dp mesh and the parameter's mesh must be named slices of one root
+    mesh with no axis in common."""
+    if which == "the whole world":
+        tp_mesh, dp_mesh = dp_tp["tp"], mesh
+    elif which == "a separate mesh of the dp ranks":
+        tp_mesh, dp_mesh = dp_tp["tp"], DeviceMesh("cpu", [0, 4])
+    else:
+        mesh_3d = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("a", "b", "c"))
+        tp_mesh, dp_mesh = mesh_3d["b", "c"], mesh_3d["a", "b"]
+    model = _with_tp_weight(tp_mesh, Shard(0))
+    before = _params_by_name(model)
+    with pytest.raises(
+        ValueError,
+        match=r"fully_shard over tensor parallelism needs the data-parallel mesh .* and the "
+        r"parameters' TP mesh .* to be named slices of one mesh",
+    ):
+        fully_shard(model, mesh=dp_mesh)
+    assert_untouched(model, MLP)
+    assert_params_unchanged(model, before)
+
+
+def test_tp_parameter_placed_on_the_joined_mesh(dp_tp: DeviceMesh) -> None:
+    """Sharding the TP-local tensor over dp: a dim TP also shards is a strided
+    shard; shard_placement_fn's dim (checked for evenness on the TP-local size)
+    gives (Shard(d), tp placement). Rank 0 holds torch.chunk's piece of its TP
+    shard."""
+    model = _with_tp_weight(dp_tp["tp"], Shard(0))
+    local = model.up.weight.to_local().detach().clone()
+    fully_shard(model, mesh=dp_tp["dp"])
+    param = model.up.weight
+    assert param.device_mesh.mesh_dim_names == ("dp", "tp")
+    assert param.placements == (_StridedShard(0, split_factor=4), Shard(0))
+    assert torch.equal(param.to_local(), torch.chunk(local, 2)[0])
+
+    model = _with_tp_weight(dp_tp["tp"], Shard(0))
+    local = model.up.weight.to_local().detach().clone()
+    fully_shard(model, mesh=dp_tp["dp"], shard_placement_fn=_place({"up.weight": Shard(1)}, model))
+    assert model.up.weight.placements == (Shard(1), Shard(0))
+    assert torch.equal(model.up.weight.to_local(), torch.chunk(local, 2, dim=1)[0])
+
+    # TP-local (12, 3) of a (12, 12) weight sharded on dim 1: 3 does not split over 2.
+    model = _with_tp_weight(dp_tp["tp"], Shard(1), shape=(12, 3))
+    with pytest.raises(
+        ValueError, match=r"'up\.weight' is sharded on dim 1 of size 3 .* over 2 ranks"
+    ):
+        fully_shard(
+            model, mesh=dp_tp["dp"], shard_placement_fn=_place({"up.weight": Shard(1)}, model)
+        )
+    assert_untouched(model, MLP)
