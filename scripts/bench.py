@@ -5,11 +5,14 @@ data) and runs their training steps interleaved, rotating the order every
 round, so drift of this shared machine hits all of them alike. Reported per
 contender: median step time (slowest rank) and its ratios to torch's
 fully_shard and to the floor, peak tensor memory of one step (a dispatch-mode
-tracker, which works on CPU), and bytes all-gathered / reduce-scattered per
-step against the theoretical volume.
+tracker, which works on CPU), bytes all-gathered / reduce-scattered per step
+against the theoretical volume, and fsdp2's exposed communication (time the
+training thread waited for a collective, from fsdp2.comm_stats; torch's
+fully_shard has no such counter).
 
     python scripts/bench.py                    # defaults: 2 gloo ranks, ~1 minute
     python scripts/bench.py --json out.json --dim 512 --layers 8
+    python scripts/bench.py --mp bf16 --prefetch explicit
 """
 
 from __future__ import annotations
@@ -52,6 +55,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="default",
         help="policy for both FSDP contenders (default: True except the root)",
     )
+    p.add_argument(
+        "--mp",
+        choices=("none", "bf16"),
+        default="none",
+        help="bf16: both FSDPs compute and all-gather in bf16 and reduce in fp32; DDP and "
+        "the floor run under CPU autocast to bf16",
+    )
+    p.add_argument(
+        "--prefetch",
+        choices=("default", "explicit"),
+        default="default",
+        help="default: each FSDP's own (torch: backward only); explicit: both get the "
+        "same lists, block i prefetches block i+1 in forward and i-1 in backward",
+    )
     p.add_argument("--json", help="also write the results to this file")
     args = p.parse_args(argv)
     if args.world_size < 1:
@@ -75,13 +92,18 @@ def build_model(args: argparse.Namespace) -> nn.Module:
     return Transformer(model_args)
 
 
-def shard(model: nn.Module, fully_shard, mesh, reshard_after_forward: str) -> nn.Module:
-    kwargs = {}
-    if reshard_after_forward != "default":
-        kwargs["reshard_after_forward"] = reshard_after_forward == "true"
+def shard(model: nn.Module, fully_shard, mesh, args: argparse.Namespace, mp_policy) -> nn.Module:
+    kwargs = {} if mp_policy is None else {"mp_policy": mp_policy}
+    if args.reshard_after_forward != "default":
+        kwargs["reshard_after_forward"] = args.reshard_after_forward == "true"
     for block in model.layers:
         fully_shard(block, mesh=mesh, **kwargs)
     fully_shard(model, mesh=mesh, **kwargs)
+    if args.prefetch == "explicit":
+        blocks = list(model.layers)
+        for i, block in enumerate(blocks):
+            block.set_modules_to_forward_prefetch(blocks[i + 1 : i + 2])
+            block.set_modules_to_backward_prefetch(blocks[max(i - 1, 0) : i])
     return model
 
 
@@ -108,19 +130,24 @@ class CommCounter:
         return counted
 
 
-def theoretical_bytes(model: nn.Module, reshard_after_forward: str) -> dict[str, int]:
-    """Unpadded volume of one step: every parameter all-gathered in forward, the
-    blocks' again in backward when they reshard (the root never does by default),
-    every gradient reduce-scattered."""
+def theoretical_bytes(
+    model: nn.Module, reshard_after_forward: str, gather_itemsize: int
+) -> dict[str, int]:
+    """Unpadded volume of one step: every parameter all-gathered in forward (in
+    ``gather_itemsize`` bytes per element), the blocks' again in backward when
+    they reshard (the root never does by default), every gradient
+    reduce-scattered (in the parameters' dtype)."""
     root = block = 0
     for fqn, param in model.named_parameters():
-        nbytes = param.numel() * param.element_size()
         if fqn.startswith("layers."):
-            block += nbytes
+            block += param.numel()
         else:
-            root += nbytes
+            root += param.numel()
     regathered = {"default": block, "true": block + root, "false": 0}[reshard_after_forward]
-    return {"all_gather_single": root + block + regathered, "reduce_scatter_single": root + block}
+    return {
+        "all_gather_single": (root + block + regathered) * gather_itemsize,
+        "reduce_scatter_single": (root + block) * 4,
+    }
 
 
 def implied_peak_bytes(model: nn.Module, floor_peak: int, world_size: int) -> int:
@@ -146,15 +173,23 @@ def worker(rank: int, args: argparse.Namespace, store: str, result_path: str) ->
         world_size=args.world_size,
         timeout=timedelta(seconds=300),
     )
+    from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
     import fsdp2
 
     mesh = init_device_mesh("cpu", (args.world_size,))
     counter = CommCounter()
+    bf16 = args.mp == "bf16"
+    mp = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}
+    policies = (
+        (fsdp2.MixedPrecisionPolicy(**mp), TorchMixedPrecisionPolicy(**mp))
+        if bf16
+        else (None, None)
+    )
     models = {
-        "fsdp2": shard(build_model(args), fsdp2.fully_shard, mesh, args.reshard_after_forward),
-        "torch": shard(build_model(args), torch_fully_shard, mesh, args.reshard_after_forward),
+        "fsdp2": shard(build_model(args), fsdp2.fully_shard, mesh, args, policies[0]),
+        "torch": shard(build_model(args), torch_fully_shard, mesh, args, policies[1]),
         "ddp": nn.parallel.DistributedDataParallel(build_model(args)),
         "floor": build_model(args),
     }
@@ -168,8 +203,10 @@ def worker(rank: int, args: argparse.Namespace, store: str, result_path: str) ->
 
     def train_step(name: str, step: int) -> float:
         x, y = batch(step)
-        out = models[name](x)
-        loss = loss_fn(out.reshape(-1, out.size(-1)), y.reshape(-1))
+        autocast = bf16 and name in ("ddp", "floor")
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = models[name](x)
+        loss = loss_fn(out.float().reshape(-1, out.size(-1)), y.reshape(-1))
         loss.backward()
         optims[name].step()
         optims[name].zero_grad(set_to_none=True)
@@ -189,13 +226,19 @@ def worker(rank: int, args: argparse.Namespace, store: str, result_path: str) ->
 
     times: dict[str, list[float]] = {k: [] for k in CONTENDERS}
     losses: dict[str, list[float]] = {k: [] for k in CONTENDERS}
-    for step in range(args.steps):
-        shift = step % len(CONTENDERS)
-        for name in CONTENDERS[shift:] + CONTENDERS[:shift]:
-            dist.barrier()
-            start = time.perf_counter()
-            losses[name].append(train_step(name, args.warmup + step))
-            times[name].append(time.perf_counter() - start)
+    with fsdp2.comm_stats(models["fsdp2"]) as stats:
+        for step in range(args.steps):
+            shift = step % len(CONTENDERS)
+            for name in CONTENDERS[shift:] + CONTENDERS[:shift]:
+                dist.barrier()
+                start = time.perf_counter()
+                losses[name].append(train_step(name, args.warmup + step))
+                times[name].append(time.perf_counter() - start)
+    # Per step, the time fsdp2's training thread waited for collectives.
+    waits = [
+        sum(c.wait_seconds for g in step.values() for c in (g.all_gather, g.reduce_scatter))
+        for step in stats.steps
+    ]
 
     # Slowest rank per step.
     slowest = {}
@@ -206,7 +249,9 @@ def worker(rank: int, args: argparse.Namespace, store: str, result_path: str) ->
 
     peak = {name: peak_memory(train_step, name, models[name], optims[name]) for name in CONTENDERS}
 
-    expected = theoretical_bytes(models["floor"], args.reshard_after_forward)
+    expected = theoretical_bytes(models["floor"], args.reshard_after_forward, 2 if bf16 else 4)
+    exposed = torch.tensor([statistics.median(waits)], dtype=torch.float64)
+    dist.all_reduce(exposed, op=dist.ReduceOp.MAX)
     implied = implied_peak_bytes(models["floor"], peak["floor"], args.world_size)
     if rank == 0:
         result = {
@@ -215,6 +260,7 @@ def worker(rank: int, args: argparse.Namespace, store: str, result_path: str) ->
             "peak_memory_bytes": peak,
             "implied_peak_bytes": implied,
             "comm_bytes": comm_bytes,
+            "fsdp2_exposed_comm_s": exposed.item(),
             "theoretical_comm_bytes": expected,
             "final_loss": {k: v[-1] for k, v in losses.items()},
         }
@@ -244,7 +290,8 @@ def report(result: dict) -> None:
     a = result["args"]
     table = Table(
         title=f"{a['world_size']} gloo ranks, transformer dim {a['dim']} x {a['layers']} layers, "
-        f"batch {a['batch']}x{a['seq']} per rank, {a['steps']} interleaved steps"
+        f"batch {a['batch']}x{a['seq']} per rank, {a['steps']} interleaved steps, "
+        f"mp {a['mp']}, prefetch {a['prefetch']}, reshard after forward {a['reshard_after_forward']}"
     )
     for col in (
         "contender",
@@ -275,6 +322,11 @@ def report(result: dict) -> None:
     console.print(
         f"peak memory implied by the sizes: {implied / 2**20:.1f} MiB; fsdp2 / implied = "
         f"{peak['fsdp2'] / implied:.3f}, torch / implied = {peak['torch'] / implied:.3f}"
+    )
+    exposed_ms = 1e3 * result["fsdp2_exposed_comm_s"]
+    console.print(
+        f"fsdp2 exposed communication (median per step, slowest rank): {exposed_ms:.1f} ms "
+        f"= {exposed_ms / (1e3 * times['fsdp2']):.1%} of its step"
     )
     console.print(
         f"theoretical per step (unpadded): all-gather "
