@@ -18,6 +18,7 @@ from .state import FSDPState, get_fsdp_state
 from .state_dict import register_load_state_dict_hook
 from .validate import (
     SHARDED_AS,
+    check_mesh_spans_world,
     check_min_numel_to_shard,
     check_module,
     check_params,
@@ -166,6 +167,7 @@ def _resolve_reshard_after_forward(
         return False, None  # each rank would keep everything: that is not resharding
     if value == mesh_info.shard_world_size:
         return True, None
+    check_mesh_spans_world(mesh_info.mesh, value)
     return True, post_forward_mesh_info(mesh_info.mesh, value)
 
 

@@ -78,6 +78,19 @@ def check_reshard_after_forward(value: object, world_size: int) -> None:
         )
 
 
+def check_mesh_spans_world(mesh: DeviceMesh, value: int) -> None:
+    """``reshard_after_forward=<int>`` builds its small groups with every rank of
+    the world taking part (process groups are created collectively), which
+    only a mesh over the whole world can describe."""
+    if mesh.mesh.numel() != dist.get_world_size():
+        raise ValueError(
+            f"reshard_after_forward={value} needs a mesh over every rank of the world, but "
+            f"the mesh has {mesh.mesh.numel()} of {dist.get_world_size()} ranks (a slice such "
+            "as mesh['dp'] next to tensor parallelism, or a sub-mesh). Pass True or False "
+            "for this module."
+        )
+
+
 def check_policies(mp_policy: object, offload_policy: object) -> None:
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(

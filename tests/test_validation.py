@@ -590,3 +590,16 @@ def test_tp_parameter_placed_on_the_joined_mesh(dp_tp: DeviceMesh) -> None:
             model, mesh=dp_tp["dp"], shard_placement_fn=_place({"up.weight": Shard(1)}, model)
         )
     assert_untouched(model, MLP)
+
+
+def test_reshard_after_forward_int_on_a_mesh_slice_raises(mesh: DeviceMesh) -> None:
+    """The small post-forward groups are created by every rank of the world; a dp
+    slice of a (dp, tp) mesh cannot describe them all, so the int is refused."""
+    mesh_2d = init_device_mesh("cpu", (4, 2), mesh_dim_names=("dp", "tp"))
+    model = MLP()
+    with pytest.raises(
+        ValueError, match=r"reshard_after_forward=2 needs a mesh over every rank.*4 of 8 ranks"
+    ):
+        fully_shard(model, mesh=mesh_2d["dp"], reshard_after_forward=2)
+    assert_untouched(model, MLP)
+    fully_shard(model, mesh=mesh_2d["dp"], reshard_after_forward=True)  # a bool is fine
