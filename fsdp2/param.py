@@ -32,12 +32,12 @@ from typing import NamedTuple
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from .common import MeshInfo, chunk_rows, local_rows
 from .policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from .private_api import (
-    DTensorSpec,
     concatenate_meshes,
     dtensor_from_local_no_grad,
     dtensor_spec,
@@ -61,18 +61,24 @@ def _contiguous_strides(size: torch.Size) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def tp_local(full: torch.Tensor, spec: DTensorSpec) -> torch.Tensor:
-    """This rank's part of ``full`` under a (Shard/Replicate) TP layout, as a view."""
-    local = full
-    for axis, placement in enumerate(spec.placements):
-        if isinstance(placement, Shard):
-            chunks = torch.chunk(local, spec.mesh.size(axis), placement.dim)
-            coordinate = spec.mesh.get_local_rank(axis)
-            if coordinate < len(chunks):
-                local = chunks[coordinate]
-            else:  # past the last chunk: empty, like DTensor's
-                local = local.narrow(placement.dim, local.size(placement.dim), 0)
-    return local
+class TPLayout(NamedTuple):
+    """Where tensor parallelism put a parameter: its mesh and (Shard/Replicate) placements."""
+
+    mesh: DeviceMesh
+    placements: tuple[Placement, ...]
+
+    def local(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's part of ``full`` under this layout, as a view."""
+        local = full
+        for axis, placement in enumerate(self.placements):
+            if isinstance(placement, Shard):
+                chunks = torch.chunk(local, self.mesh.size(axis), placement.dim)
+                coordinate = self.mesh.get_local_rank(axis)
+                if coordinate < len(chunks):
+                    local = chunks[coordinate]
+                else:  # past the last chunk: empty, like DTensor's
+                    local = local.narrow(placement.dim, local.size(placement.dim), 0)
+        return local
 
 
 class FSDPParam:
@@ -112,10 +118,10 @@ class FSDPParam:
         self.reduce_dtype = mp_policy.reduce_dtype or self.param_dtype
         self.requires_grad = param.requires_grad
         # TP: the layout of the unsharded parameter. Otherwise None.
-        self.tp_spec: DTensorSpec | None = None
+        self.tp_layout: TPLayout | None = None
         if isinstance(param, DTensor):
-            self.tp_spec = param._spec
-            data = param._local_tensor
+            self.tp_layout = TPLayout(param.device_mesh, tuple(param.placements))
+            data = param.to_local()
         else:
             data = param
         # What the group all-gathers: the whole parameter, or its TP-local part.
@@ -168,21 +174,22 @@ class FSDPParam:
         tensor parallelism])."""
         dp_placements = list(self.mesh_info.placements)
         dp_placements[-1] = Replicate() if self.replicated else Shard(self.shard_dim)
-        if self.tp_spec is None:
+        tp = self.tp_layout
+        if tp is None:
             return self.mesh_info.mesh, tuple(dp_placements)
         tp_shards = math.prod(
-            self.tp_spec.mesh.size(axis)
-            for axis, p in enumerate(self.tp_spec.placements)
+            tp.mesh.size(axis)
+            for axis, p in enumerate(tp.placements)
             if isinstance(p, Shard) and p.dim == self.shard_dim
         )
         if tp_shards > 1 and not self.replicated:
             dp_placements[-1] = strided_shard(self.shard_dim, tp_shards)
-        mesh = concatenate_meshes(self.mesh_info.mesh, self.tp_spec.mesh)
-        return mesh, (*dp_placements, *self.tp_spec.placements)
+        mesh = concatenate_meshes(self.mesh_info.mesh, tp.mesh)
+        return mesh, (*dp_placements, *tp.placements)
 
     def shard_like(self, full: torch.Tensor) -> DTensor:
         """This rank's shard of ``full`` (shaped like the parameter) as a DTensor."""
-        data = full.detach() if self.tp_spec is None else tp_local(full.detach(), self.tp_spec)
+        data = full.detach() if self.tp_layout is None else self.tp_layout.local(full.detach())
         local = data.narrow(self.shard_dim, self._local_start, self.local_shape[self.shard_dim])
         return self._as_dtensor(local.to(self.sharded_param.device).contiguous())
 
@@ -228,10 +235,8 @@ class FSDPParam:
             data = self._unsharded_padded.narrow(
                 self.shard_dim, 0, self.unsharded_size[self.shard_dim]
             ).data
-            if self.tp_spec is not None:
-                spec = dtensor_spec(
-                    self.tp_spec.mesh, self.tp_spec.placements, self.orig_size, self.param_dtype
-                )
+            if (tp := self.tp_layout) is not None:
+                spec = dtensor_spec(tp.mesh, tp.placements, self.orig_size, self.param_dtype)
                 data = dtensor_from_local_no_grad(data, spec)
             self.unsharded_param = nn.Parameter(data, requires_grad=self.requires_grad)
         else:
@@ -291,8 +296,8 @@ class FSDPParam:
             self.unsharded_param.grad = None
             if isinstance(grad, DTensor):
                 # TP: e.g. Partial() from a sequence-parallel norm; reduce over TP first.
-                if grad.placements != self.tp_spec.placements:
-                    grad = grad.redistribute(placements=self.tp_spec.placements)
+                if grad.placements != self.tp_layout.placements:
+                    grad = grad.redistribute(placements=self.tp_layout.placements)
                 grad = grad.to_local()
             grad = grad.to(self.reduce_dtype)
         if self.unsynced_grad is not None:

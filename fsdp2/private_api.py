@@ -16,7 +16,6 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import _StridedShard
 
 __all__ = [
-    "DTensorSpec",
     "chunk_cat_",
     "concatenate_meshes",
     "dtensor_from_local_no_grad",

@@ -46,7 +46,6 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor
 
 import fsdp2
 
@@ -606,8 +605,8 @@ class Trainer:
             loss_sum += loss.detach()
         grad_norm = float("nan")
         if args.max_grad_norm > 0:
-            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), args.max_grad_norm)
-            grad_norm = float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+            # fsdp2's: a plain tensor, and right also for gradients on several meshes.
+            grad_norm = float(fsdp2.clip_grad_norm_(self.model.parameters(), args.max_grad_norm))
         lr = self.optim.param_groups[0]["lr"]
         self.optim.step()
         self.scheduler.step()
