@@ -163,6 +163,21 @@ def run_ranks(fn: Callable[..., None], world_size: int, tmp_path: Path, *args: A
 
 
 @contextlib.contextmanager
+def fake_world(world_size: int, rank: int = 0) -> Iterator[None]:
+    """This process as ``rank`` of a "fake" process group of ``world_size``, for
+    single-process tests: meshes and groups can be built, but the collectives
+    move no data, so only construction (not communication) can be checked."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    assert not dist.is_initialized(), "a test left a default process group behind"
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
 def labelled(label: str) -> Iterator[None]:
     """Prefixes the message of an AssertionError raised inside with ``[label]``,
     keeping its traceback: for rank functions that check several cases in turn."""

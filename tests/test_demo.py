@@ -22,9 +22,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from dist import fake_world
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from fsdp2 import fully_shard
 
@@ -214,12 +214,8 @@ def test_lr_schedule() -> None:
 @pytest.fixture
 def fake_mesh() -> Iterator[DeviceMesh]:
     """This process as rank 1 of 2; the fake group's collectives move no data."""
-    assert not dist.is_initialized(), "a test left a default process group behind"
-    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=2)
-    try:
+    with fake_world(2, rank=1):
         yield DeviceMesh("cpu", torch.arange(2))
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("tie", [False, True])

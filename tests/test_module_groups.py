@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from dist import labelled, run_ranks
+from dist import fake_world, labelled, run_ranks
 from models import (
     full_params,
     global_batch,
@@ -34,7 +34,6 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard  # the refer
 from torch.distributed.tensor import DTensor
 from torch.testing import assert_close
 from torch.testing._internal.distributed._tensor.common_dtensor import Transformer
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import fsdp2
 from fsdp2 import FSDPModule, fully_shard
@@ -365,12 +364,8 @@ def test_module_group_with_modules_that_do_not_run(tmp_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def mesh() -> Iterator[DeviceMesh]:
-    assert not dist.is_initialized(), "a test module left a default process group behind"
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=FAKE_WORLD_SIZE)
-    try:
+    with fake_world(FAKE_WORLD_SIZE):
         yield init_device_mesh("cpu", (FAKE_WORLD_SIZE,))
-    finally:
-        dist.destroy_process_group()
 
 
 def assert_untouched(*modules: nn.Module) -> None:

@@ -20,9 +20,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
-from dist import labelled, run_ranks
+from dist import fake_world, labelled, run_ranks
 from models import (
     build_model,
     expected_shard,
@@ -33,7 +32,6 @@ from models import (
     shard_model,
 )
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import fsdp2
 
@@ -107,12 +105,8 @@ def check_rows(
 
 @pytest.fixture(scope="module")
 def fake_mesh() -> Iterator[DeviceMesh]:
-    assert not dist.is_initialized(), "a test module left a default process group behind"
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=FAKE_WORLD_SIZE)
-    try:
+    with fake_world(FAKE_WORLD_SIZE):
         yield init_device_mesh("cpu", (FAKE_WORLD_SIZE,))
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("device", ["cpu", "meta"])

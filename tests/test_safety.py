@@ -34,12 +34,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
-from dist import labelled, run_ranks
+from dist import fake_world, labelled, run_ranks
 from models import global_mean, local_batch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.testing import assert_close
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import fsdp2
 from fsdp2 import param_group as param_group_module
@@ -353,12 +352,8 @@ def test_execution_order_check(tmp_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def fake_mesh() -> Iterator[DeviceMesh]:
-    assert not dist.is_initialized(), "a test module left a default process group behind"
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
-    try:
+    with fake_world(8):
         yield init_device_mesh("cpu", (8,))
-    finally:
-        dist.destroy_process_group()
 
 
 def test_root_forward_called_directly_raises(fake_mesh: DeviceMesh) -> None:

@@ -17,11 +17,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from dist import fake_world
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from fsdp2 import MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from fsdp2.collectives import all_gather, assign_sharded_grads, copy_out, reduce_scatter
@@ -39,12 +39,8 @@ NO_OFFLOAD = OffloadPolicy()
 @pytest.fixture(scope="module")
 def meshes() -> Iterator[dict[int, DeviceMesh]]:
     """A 1D mesh over ranks ``0..ws-1`` for every world size ``ws`` in 1..8."""
-    assert not dist.is_initialized(), "a test module left a default process group behind"
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=MAX_WORLD_SIZE)
-    try:
+    with fake_world(MAX_WORLD_SIZE):
         yield {ws: DeviceMesh("cpu", torch.arange(ws)) for ws in range(1, MAX_WORLD_SIZE + 1)}
-    finally:
-        dist.destroy_process_group()
 
 
 # -- helpers ---------------------------------------------------------------

@@ -3,21 +3,18 @@ on ``mesh["tp"]`` and sharded by fsdp2 over ``mesh["dp"]`` of a 2x2 mesh, agains
 the unsharded reference trained on the global batch (DDP math over the dp ranks;
 the two tp ranks of a dp group see the same data)."""
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from dist import labelled, run_ranks
+from dist import fake_world, labelled, run_ranks
 from models import global_mean, make_optimizer, mean_loss
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.testing import assert_close
 from torch.testing._internal.distributed._tensor.common_dtensor import ModelArgs, Transformer
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import fsdp2
 
@@ -159,22 +156,16 @@ def test_checkpoint_from_2d_to_fsdp_only(tmp_path: Path) -> None:
 # -- single process: HSDP x TP layouts under a fake world of 8 ranks ----------
 
 
-@pytest.fixture
-def fake_world() -> Iterator[None]:
-    """This process as rank 5 of 8; the fake group's collectives move no data."""
-    assert not dist.is_initialized(), "a test left a default process group behind"
-    dist.init_process_group("fake", store=FakeStore(), rank=5, world_size=8)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
-def test_hsdp_over_tp_placements(fake_world: None) -> None:
+def test_hsdp_over_tp_placements() -> None:
     """A (replicate, shard, tp) = 2 x 2 x 2 mesh: TP parameters become 3D DTensors
     placed (Replicate(), <dp shard>, <tp placement>) whose local tensor has the
     shape of this rank's dp chunk of its TP chunk; others stay 2D HSDP
     (construction only: 8 real ranks are too many for 2 cores)."""
+    with fake_world(8, rank=5):  # rank 5 = coordinates (1, 0, 1)
+        _check_hsdp_over_tp_placements()
+
+
+def _check_hsdp_over_tp_placements() -> None:
     mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("replicate", "shard", "tp"))
     ref = _build(False)
     model = _build(False)

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from dist import labelled, run_ranks
+from dist import fake_world, labelled, run_ranks
 from models import (
     MLP_DIMS,
     build_model,
@@ -50,7 +50,6 @@ from torch.testing._internal.distributed._tensor.common_dtensor import (
     Transformer,
     TransformerBlock,
 )
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import fsdp2
 from fsdp2.common import ShardedState
@@ -871,12 +870,8 @@ def test_frozen_tied_ignored_params_and_clipping(world_size: int, tmp_path: Path
 
 @pytest.fixture(scope="module")
 def fake_mesh() -> Iterator[DeviceMesh]:
-    assert not dist.is_initialized(), "a test module left a default process group behind"
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD_SIZE)
-    try:
+    with fake_world(WORLD_SIZE):
         yield init_device_mesh("cpu", (WORLD_SIZE,))
-    finally:
-        dist.destroy_process_group()
 
 
 def _torch_and_fsdp2(behaviour: str) -> pytest.MarkDecorator:

@@ -13,10 +13,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from dist import fake_world
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import fsdp2
 from fsdp2 import FSDPModule, fully_shard
@@ -83,12 +83,8 @@ def test_default_mesh_without_process_group_raises() -> None:
 
 @pytest.fixture(scope="module")
 def mesh() -> Iterator[DeviceMesh]:
-    assert not dist.is_initialized(), "a test module left a default process group behind"
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD_SIZE)
-    try:
+    with fake_world(WORLD_SIZE):
         yield init_device_mesh("cpu", (WORLD_SIZE,))
-    finally:
-        dist.destroy_process_group()
 
 
 def test_not_a_module_raises(mesh: DeviceMesh) -> None:
