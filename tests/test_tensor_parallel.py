@@ -161,7 +161,7 @@ def test_hsdp_over_tp_placements() -> None:
     placed (Replicate(), <dp shard>, <tp placement>) whose local tensor has the
     shape of this rank's dp chunk of its TP chunk; others stay 2D HSDP
     (construction only: 8 real ranks are too many for 2 cores)."""
-    with fake_world(8, rank=5):  # rank 5 = coordinates (1, 0, 1)
+    with fake_world(8, rank=5):
         _check_hsdp_over_tp_placements()
 
 
