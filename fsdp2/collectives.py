@@ -125,7 +125,10 @@ def reduce_scatter(
     reduce_scatter_input = torch.empty(
         (world_size, shard_numel), dtype=grad.dtype, device=grad.device
     )
-    if world_size == 1 and not replicated:  # the input is the whole output
+    # A world of one exchanges nothing: the input is the whole output, unless
+    # replicated gradients must follow it.
+    input_is_output = world_size == 1 and not replicated
+    if input_is_output:
         output = reduce_scatter_input.view(-1)
     else:
         output = torch.empty(shard_numel + replicated_numel, dtype=grad.dtype, device=grad.device)
@@ -152,7 +155,7 @@ def reduce_scatter(
                 ),
             )
         )
-    elif output.data_ptr() != reduce_scatter_input.data_ptr():
+    elif not input_is_output:
         output.narrow(0, 0, shard_numel).copy_(reduce_scatter_input.view(-1))
     if replicated:
         tail = output.narrow(0, shard_numel, replicated_numel)
