@@ -21,7 +21,7 @@ from dist import fake_world
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from fsdp2 import MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from fsdp2.collectives import all_gather, assign_sharded_grads, copy_out, reduce_scatter
@@ -368,3 +368,28 @@ def test_mixed_dtypes_in_one_group_rejected(meshes: dict[int, DeviceMesh]) -> No
         fully_shard(model, mesh=meshes[1])
     # With a compute dtype the group is all-gathered in one dtype: accepted.
     fully_shard(model, mesh=meshes[1], mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32))
+
+
+def test_replicated_gradients_follow_the_sharded_ones_in_a_world_of_one(
+    meshes: dict[int, DeviceMesh],
+) -> None:
+    """With min_numel_to_shard, a world of one still packs the replicated
+    gradient after the sharded ones (no collective) and assigns both whole."""
+    mesh = meshes[1]
+    info = mesh_info(mesh, 0)
+    origs = random_tensors([(5, 3), (4,)], torch.float32, 0)
+    params = [
+        FSDPParam(
+            nn.Parameter(t.clone()), f"p{i}", [], info, CPU, NO_MP, NO_OFFLOAD, replicated=i == 1
+        )
+        for i, t in enumerate(origs)
+    ]
+    assert params[1].sharded_param.placements == (Replicate(),)
+    grads = random_tensors([(5, 3), (4,)], torch.float32, 1)
+    with recording("reduce_scatter_single") as calls:
+        result = reduce_scatter(params, grads, mesh.get_group(0), 1, 1, SyncComm())  # type: ignore[arg-type]
+    assert calls == []
+    assert result.output.numel() == 5 * 3 + 4
+    assign_sharded_grads(result)
+    for param, grad in zip(params, grads, strict=True):
+        assert torch.equal(param.sharded_param.grad.to_local(), grad)
