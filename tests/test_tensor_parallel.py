@@ -11,6 +11,8 @@ import torch.distributed.checkpoint as dcp
 from dist import fake_world, labelled, run_ranks
 from models import global_mean, make_optimizer, mean_loss
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.testing import assert_close
@@ -195,3 +197,49 @@ def _check_hsdp_over_tp_placements() -> None:
         assert param.to_local().shape == torch.chunk(tp_local, 2)[shard_rank].shape, name
         assert param.shape == full.shape, name
     assert len(tp_names) > 0
+
+
+def _matches_torch_bf16(rank: int, world_size: int) -> None:
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp_rank = mesh["dp"].get_local_rank()
+    dtypes = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}
+    models = []
+    for fully_shard, policy in (
+        (fsdp2.fully_shard, fsdp2.MixedPrecisionPolicy(**dtypes)),
+        (torch_fully_shard, TorchMixedPrecisionPolicy(**dtypes)),
+    ):
+        model = _build(False)
+        Transformer.parallelize(
+            model, mesh["tp"], use_seq_parallel=True, local_output_for_attn=True
+        )
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh["dp"], mp_policy=policy)
+        models.append(fully_shard(model, mesh=mesh["dp"], mp_policy=policy))
+    ours, theirs = models
+    for (name, param), (_, expected) in zip(
+        ours.named_parameters(), theirs.named_parameters(), strict=True
+    ):
+        assert param.placements == expected.placements, (name, param.placements)
+        assert param.device_mesh == expected.device_mesh, name
+    optims = [make_optimizer(m) for m in models]
+    for step in range(STEPS):
+        batch = [torch.chunk(t, 2)[dp_rank] for t in _batch(step)]
+        losses = [mean_loss(m, *batch) for m in models]
+        for loss in losses:
+            loss.backward()
+        assert_close(losses[0], losses[1], rtol=1e-6, atol=1e-6, msg=f"step {step}")
+        for optim in optims:
+            optim.step()
+            optim.zero_grad()
+    for (name, param), (_, expected) in zip(
+        ours.named_parameters(), theirs.named_parameters(), strict=True
+    ):
+        assert_close(param.full_tensor(), expected.full_tensor(), **TOL, msg=name)
+
+
+@pytest.mark.distributed
+def test_fsdp_over_tp_matches_torch_in_bf16(tmp_path: Path) -> None:
+    """With bf16 compute and fp32 reduction, sequence parallelism on, fsdp2 over TP
+    places every parameter as torch's fully_shard over TP does (same mesh, same
+    _StridedShard), and trains to the same losses and parameters."""
+    run_ranks(_matches_torch_bf16, 4, tmp_path)
