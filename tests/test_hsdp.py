@@ -56,8 +56,10 @@ def _hsdp(rank: int, world_size: int) -> None:
                         optim.zero_grad()
                 # Gradients matched to 1e-5 every step. With micro-batches summed in
                 # another order, AdamW (eps 1e-8) turns a 1e-9 difference in a
-                # near-zero gradient into ~1e-4 of parameter: compare looser there.
-                tol = {"rtol": 1e-4, "atol": 1e-4} if accumulate else TOL
+                # near-zero gradient into up to ~2e-4 of parameter (seen on an AMD
+                # EPYC; the matmul kernels differ by CPU): compare at a tenth of one
+                # step's size (lr 1e-2) there, still far below a wrong gradient's.
+                tol = {"rtol": 1e-4, "atol": 1e-3} if accumulate else TOL
                 for name, param in full_params(model).items():
                     assert_close(
                         param, ref.get_parameter(name), **tol, msg=lambda m, n=name: f"{n}: {m}"
