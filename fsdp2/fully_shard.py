@@ -14,8 +14,9 @@ from .common import MeshInfo, ShardedState, device_from_mesh, post_forward_mesh_
 from .param import FSDPParam, ModuleSlot
 from .param_group import FSDPParamGroup
 from .policy import MixedPrecisionPolicy, OffloadPolicy
+from .private_api import mark_composable_api
 from .state import FSDPState, get_fsdp_state
-from .state_dict import register_load_state_dict_hook
+from .state_dict import register_state_dict_hooks
 from .validate import (
     SHARDED_AS,
     check_mesh_spans_world,
@@ -149,11 +150,21 @@ def fully_shard(
             post_forward_mesh_info=post_forward_mesh_info,
         )
         for member in modules:
-            register_load_state_dict_hook(member, fsdp_params)
+            register_state_dict_hooks(member, state.param_group)
     for member in modules:
         member.__dict__["_fsdp_state"] = state
+        mark_composable_api(member, "fully_shard")
         _swap_class(member)
     return module  # type: ignore[return-value]
+
+
+def _state(module: nn.Module) -> FSDPState | None:
+    """``fully_shard.state(module)``: the state of the ``fully_shard`` call that
+    took ``module`` (shared by the modules of a list), or None."""
+    return get_fsdp_state(module)
+
+
+fully_shard.state = _state  # type: ignore[attr-defined]
 
 
 def _resolve_reshard_after_forward(
@@ -385,6 +396,15 @@ class UnshardHandle:
 class FSDPModule:
     """Mixed into every module passed to ``fully_shard``."""
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        """A new module of a generated ``FSDP<Name>`` class (e.g. ``model[:2]`` of a
+        sharded ``nn.Sequential``, which builds ``type(model)(...)``) is a plain
+        ``<Name>``: it went through no ``fully_shard`` call, so it has no state."""
+        orig_cls = next(c for c in cls.__mro__[1:] if not issubclass(c, FSDPModule))
+        module = orig_cls.__new__(orig_cls)
+        module.__init__(*args, **kwargs)
+        return module
+
     @property
     def _fsdp_state(self) -> FSDPState:
         return self.__dict__["_fsdp_state"]
@@ -513,6 +533,18 @@ class FSDPModule:
         replacing the default (the module that ran just before it in forward)."""
         self._fsdp_state.backward_prefetch = [_state_of(m, "backward") for m in modules]
 
+    def _apply(self, *args: Any, **kwargs: Any) -> Any:
+        """``model.to(dtype)``, ``model.double()``...: converts the sharded
+        parameters (resharding first, so that the modules hold them) and makes the
+        group follow their new dtype."""
+        group = self._fsdp_state.param_group
+        if group is not None:
+            group.reshard()
+        result = super()._apply(*args, **kwargs)  # type: ignore[misc]
+        if group is not None:
+            group.reset_sharded_params()
+        return result
+
     def _param_groups(self, recurse: bool) -> list[FSDPParamGroup]:
         groups = (m._fsdp_state.param_group for m in self._fsdp_modules(recurse))
         return [g for g in groups if g is not None]
@@ -523,8 +555,9 @@ class FSDPModule:
         return [m for m in self.modules() if isinstance(m, FSDPModule)]  # type: ignore[attr-defined]
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
-        raise RuntimeError(
-            f"copy.deepcopy of a sharded module ({type(self).__name__}) is not supported: the "
+        # AssertionError, as torch's fully_shard raises, so code that catches it works.
+        raise AssertionError(
+            f"FSDP does not support deepcopy of a sharded module ({type(self).__name__}): the "
             "copy would share process groups and hooks with the original. Build a new model "
             "and load model.state_dict() into it instead."
         )

@@ -41,6 +41,7 @@ from .private_api import (
     concatenate_meshes,
     dtensor_from_local_no_grad,
     dtensor_spec,
+    local_tensor,
     strided_shard,
 )
 from .validate import FSDP_SHARDED
@@ -111,11 +112,8 @@ class FSDPParam:
         self.mesh_info = mesh_info
         self.device = device
         self.orig_size = param.size()  # global, as full_tensor() returns it
-        self.orig_dtype = param.dtype
-        # Dtype of the all-gather and of the unsharded parameter.
-        self.param_dtype = mp_policy.param_dtype or param.dtype
-        # Dtype of the reduce-scatter and of gradients accumulated without sync.
-        self.reduce_dtype = mp_policy.reduce_dtype or self.param_dtype
+        self.mp_policy = mp_policy
+        self._init_dtypes(param.dtype)
         self.requires_grad = param.requires_grad
         # TP: the layout of the unsharded parameter. Otherwise None.
         self.tp_layout: TPLayout | None = None
@@ -169,6 +167,31 @@ class FSDPParam:
         self.partial_grad: torch.Tensor | None = None
         self._set_on_modules(self.sharded_param)
 
+    def _init_dtypes(self, orig_dtype: torch.dtype) -> None:
+        self.orig_dtype = orig_dtype
+        # Dtype of the all-gather and of the unsharded parameter.
+        self.param_dtype = self.mp_policy.param_dtype or orig_dtype
+        # Dtype of the reduce-scatter and of gradients accumulated without sync.
+        self.reduce_dtype = self.mp_policy.reduce_dtype or self.param_dtype
+
+    def reset_sharded_param(self) -> None:
+        """Adopts what ``nn.Module._apply`` (``model.to(torch.float64)``,
+        ``model.double()``) left in the module: the sharded parameter, changed in
+        place by ``swap_tensors`` (or a new one), whose dtype the unsharded
+        parameter and the gradients now follow. Called with the group sharded."""
+        slot = self.slots[0]
+        param = slot.module._parameters[slot.name]
+        if param is not self.sharded_param:
+            param.__dict__[FSDP_SHARDED] = True
+            self.sharded_param = param
+            self._set_on_modules(param)
+        if param.dtype != self.orig_dtype:
+            self._init_dtypes(param.dtype)
+            # Rebuilt in the new dtype at the next unshard.
+            self._unsharded_padded = None
+            self.unsharded_param = None
+            self._grad_spec = None
+
     def _sharded_layout(self):
         """The mesh and placements of the sharded parameter (see [Note: FSDP over
         tensor parallelism])."""
@@ -215,7 +238,7 @@ class FSDPParam:
     @property
     def all_gather_input(self) -> torch.Tensor:
         """This rank's shard as a flat tensor (unpadded), read by the copy-in."""
-        return self.sharded_param.to_local().view(-1)
+        return local_tensor(self.sharded_param).view(-1)
 
     def alloc_unsharded(self) -> torch.Tensor:
         """Returns the padded unsharded tensor, its storage (re)allocated.
@@ -249,7 +272,7 @@ class FSDPParam:
     @torch.no_grad()
     def copy_replicated(self) -> None:
         """Unshards a replicated parameter: its local tensor is the whole of it."""
-        self.alloc_unsharded().copy_(self.sharded_param.to_local())
+        self.alloc_unsharded().copy_(local_tensor(self.sharded_param))
 
     def rank_major(self, tensor: torch.Tensor, world_size: int) -> torch.Tensor:
         """``tensor`` (unsharded-shaped, padded for dim 0) seen as ``world_size``
@@ -319,7 +342,14 @@ class FSDPParam:
         if self.sharded_param.grad is None:
             self.sharded_param.grad = self._as_sharded_grad(local_grad)
         else:
-            self.sharded_param.grad.to_local().add_(local_grad)  # no_grad: the local tensor itself
+            local_tensor(self.sharded_param.grad).add_(local_grad)
+        # Autograd never accumulates into the sharded parameter, so hooks registered
+        # with register_post_accumulate_grad_hook (an optimizer step in backward)
+        # run here, once its gradient is complete.
+        hooks = self.sharded_param._post_accumulate_grad_hooks
+        if hooks:
+            for hook in list(hooks.values()):
+                hook(self.sharded_param)
 
     def __repr__(self) -> str:
         return f"FSDPParam({self.fqn}, size={tuple(self.orig_size)})"

@@ -39,7 +39,7 @@ from .collectives import (
 )
 from .common import MeshInfo, ShardedState, TrainingState
 from .param import FSDPParam
-from .private_api import tree_flatten, tree_unflatten
+from .private_api import map_tensors, outside_functorch, tensors_in
 
 if TYPE_CHECKING:
     from .state import RootContext
@@ -70,7 +70,6 @@ class FSDPParamGroup:
         self.reshard_after_backward = True
         self.requires_gradient_sync = True
         self.requires_all_reduce = True  # HSDP: across replicas
-        self.param_dtype = fsdp_params[0].param_dtype
         # SHARDED_POST_FORWARD: this rank's block of every parameter over the
         # small group, flat (post-forward slot of each parameter, in order).
         self._post_forward_shard: torch.Tensor | None = None
@@ -91,9 +90,15 @@ class FSDPParamGroup:
     # -- sharded state ----------------------------------------------------
 
     @property
+    def param_dtype(self) -> torch.dtype:
+        """Of the all-gather (the unsharded parameters')."""
+        return self.fsdp_params[0].param_dtype
+
+    @property
     def all_gather_in_flight(self) -> bool:
         return self._all_gather is not None
 
+    @outside_functorch
     def unshard(self) -> None:
         """Starts the all-gather, unless it is in flight or the group is unsharded."""
         if self._all_gather is not None or self.sharded_state is ShardedState.UNSHARDED:
@@ -120,6 +125,7 @@ class FSDPParamGroup:
             self.name,
         )
 
+    @outside_functorch
     def wait_for_unshard(self) -> None:
         """Finishes the all-gather and puts the unsharded parameters on the modules."""
         if self._all_gather is None:
@@ -149,6 +155,7 @@ class FSDPParamGroup:
             return self.post_forward_mesh_info.shard_world_size
         return self.mesh_info.shard_world_size
 
+    @outside_functorch
     def reshard(self) -> None:
         """Puts the sharded parameters back on the modules and frees the unsharded storage."""
         self.cancel_unshard()
@@ -169,6 +176,12 @@ class FSDPParamGroup:
         self._post_forward_shard = torch.cat(blocks)
         self._to_sharded()
         self.sharded_state = ShardedState.SHARDED_POST_FORWARD
+
+    def reset_sharded_params(self) -> None:
+        """After ``nn.Module._apply`` changed the sharded parameters (see
+        ``FSDPParam.reset_sharded_param``)."""
+        for fsdp_param in self.fsdp_params:
+            fsdp_param.reset_sharded_param()
 
     def _to_sharded(self) -> None:
         for fsdp_param in self.fsdp_params:
@@ -211,20 +224,16 @@ class FSDPParamGroup:
         self.training_state = TrainingState.IDLE
 
     def _register_post_backward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        leaves, spec = tree_flatten((args, kwargs))
-        positions = [
-            i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.requires_grad
-        ]
+        inputs = [t for t in tensors_in((args, kwargs)) if t.requires_grad]
         count = self._post_backward_count
-        if not positions:
+        if not inputs:
             # Post-backward then runs from the final callback (see state.py).
             count.final_callback_only = True
             return args, kwargs
         count.registered += 1
-        outputs = PostBackward.apply(self, count, *(leaves[i] for i in positions))
-        for i, output in zip(positions, outputs, strict=True):
-            leaves[i] = output
-        return tree_unflatten(leaves, spec)
+        outputs = PostBackward.apply(self, count, *inputs)
+        wrapped = {id(t): out for t, out in zip(inputs, outputs, strict=True)}
+        return map_tensors((args, kwargs), lambda t: wrapped.get(id(t), t))
 
     # -- backward ---------------------------------------------------------
 
@@ -388,16 +397,28 @@ class PostBackward(torch.autograd.Function):
     AccumulateGrad nodes first), so the module's gradients are complete here;
     the group's are once every module call of the forward has got here
     (``PostBackwardCount``).
+
+    ``setup_context``, ``jvp`` and the generated vmap rule let it run under
+    functorch transforms (``torch.func.jvp`` through a sharded module).
     """
 
+    generate_vmap_rule = True
+
     @staticmethod
-    def forward(ctx, group: FSDPParamGroup, count: PostBackwardCount, *inputs: torch.Tensor):
-        ctx.group = group
-        ctx.count = count
+    def forward(group: FSDPParamGroup, count: PostBackwardCount, *inputs: torch.Tensor):
         return inputs
+
+    @staticmethod
+    def setup_context(ctx, inputs: tuple, output: Any) -> None:
+        ctx.group, ctx.count = inputs[0], inputs[1]
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
         if ctx.count.node_ran():
             ctx.group.post_backward()
         return (None, None, *grads)
+
+    @staticmethod
+    def jvp(ctx, group_tangent: None, count_tangent: None, *input_tangents: torch.Tensor):
+        # Forward-mode: an identity; post-backward belongs to reverse mode only.
+        return input_tangents

@@ -4,12 +4,16 @@ Each wrapper says why no public API does the job. When torch grows a public
 equivalent, only this file changes.
 """
 
+import copy
+import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
 from torch.autograd import Variable
+from torch.distributed._composable.contract import REGISTRY_KEY, RegistryItem
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
@@ -20,11 +24,14 @@ __all__ = [
     "concatenate_meshes",
     "dtensor_from_local_no_grad",
     "dtensor_spec",
+    "local_tensor",
+    "mark_composable_api",
+    "outside_functorch",
     "queue_backward_callback",
     "shards_tensor",
     "strided_shard",
-    "tree_flatten",
-    "tree_unflatten",
+    "tensors_in",
+    "map_tensors",
 ]
 
 
@@ -40,17 +47,90 @@ def queue_backward_callback(callback: Callable[[], None]) -> None:
     Variable._execution_engine.queue_callback(callback)
 
 
-def tree_flatten(tree: Any) -> tuple[list[Any], Any]:
-    """Flattens nested args/kwargs/outputs into leaves and a spec.
+def mark_composable_api(module: torch.nn.Module, api_name: str) -> None:
+    """Records that ``api_name`` (``"fully_shard"``) manages ``module``, where
+    torch's other composable APIs look for it.
+
+    Why private: ``replicate`` (composable DDP) leaves out the parameters of
+    modules that ``fully_shard`` manages only if it finds that name in the
+    module's composable-API registry; without it, ``replicate(model)`` over a
+    model with sharded blocks would all-reduce their shards' gradients across
+    ranks, adding different shards together. The registry has no public API.
+    """
+    registry = module.__dict__.setdefault(REGISTRY_KEY, {})
+    registry.setdefault(api_name, RegistryItem())
+
+
+def local_tensor(dtensor: DTensor) -> torch.Tensor:
+    """This rank's tensor of ``dtensor`` itself (not a view of it).
+
+    Why private: ``DTensor.to_local()`` is an autograd Function, which costs a
+    graph node per call on the hot path (every parameter, every unshard) and
+    refuses to run inside functorch transforms; the engine only reads or
+    writes the data in place, outside autograd, as torch's own fully_shard does.
+    """
+    return dtensor._local_tensor
+
+
+def outside_functorch(method: Callable) -> Callable:
+    """Runs ``method`` with functorch's transforms (``torch.func.jvp``, ``vmap``...)
+    switched off: the all-gather and the parameter swaps are bookkeeping, not
+    part of the function being transformed (inside a transform, even
+    ``DTensor.to_local()`` would refuse to run).
+
+    Why private: torch has no public way to step outside an active functorch
+    transform; ``torch._C._DisableFuncTorch`` is what torch's own fully_shard uses.
+    """
+
+    @functools.wraps(method)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if torch._C._are_functorch_transforms_active():
+            with torch._C._DisableFuncTorch():
+                return method(*args, **kwargs)
+        return method(*args, **kwargs)
+
+    return wrapper
+
+
+def _is_plain_dataclass(x: Any) -> bool:
+    """A dataclass instance that pytree does not know how to flatten."""
+    return (
+        dataclasses.is_dataclass(x)
+        and not isinstance(x, type)
+        and type(x) not in pytree.SUPPORTED_NODES
+    )
+
+
+def map_tensors(tree: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    """``tree`` with ``fn`` applied to every tensor in it: inside tuples, lists,
+    dicts, namedtuples, the classes registered with pytree (e.g. Hugging Face's
+    ``ModelOutput``) and dataclasses (copied, not changed in place).
 
     Why private: ``torch.utils._pytree`` is what torch's own modules use to walk
-    arbitrary (dataclass, namedtuple, dict) containers; there is no public one.
+    arbitrary containers; there is no public one.
     """
-    return pytree.tree_flatten(tree)
-
-
-def tree_unflatten(leaves: list[Any], spec: Any) -> Any:
+    leaves, spec = pytree.tree_flatten(tree, is_leaf=_is_plain_dataclass)
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, torch.Tensor):
+            leaves[i] = fn(leaf)
+        elif _is_plain_dataclass(leaf):
+            new = copy.copy(leaf)
+            for field in dataclasses.fields(leaf):
+                # object.__setattr__: a frozen dataclass refuses plain assignment.
+                object.__setattr__(new, field.name, map_tensors(getattr(leaf, field.name), fn))
+            leaves[i] = new
     return pytree.tree_unflatten(leaves, spec)
+
+
+def tensors_in(tree: Any) -> list[torch.Tensor]:
+    """Every tensor in ``tree`` (the containers of :func:`map_tensors`), in order."""
+    tensors = []
+    for leaf in pytree.tree_leaves(tree, is_leaf=_is_plain_dataclass):
+        if isinstance(leaf, torch.Tensor):
+            tensors.append(leaf)
+        elif _is_plain_dataclass(leaf):
+            tensors += tensors_in([getattr(leaf, f.name) for f in dataclasses.fields(leaf)])
+    return tensors
 
 
 def chunk_cat_(tensors: list[torch.Tensor], num_chunks: int, out: torch.Tensor) -> None:

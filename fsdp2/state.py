@@ -33,7 +33,7 @@ from .common import MeshInfo, ShardedState, TrainingState
 from .order import ExecutionOrderCheck
 from .param_group import FSDPParamGroup
 from .policy import MixedPrecisionPolicy
-from .private_api import queue_backward_callback, tree_flatten, tree_unflatten
+from .private_api import map_tensors, queue_backward_callback, tensors_in
 
 logger = logging.getLogger("fsdp2")
 
@@ -310,11 +310,11 @@ class FSDPState:
             if not self.ctx.final_callback_queued:  # not a recomputation inside backward
                 self.ctx.start_forward()
             if self.device.type != "cpu":
-                args, kwargs = _map_tensors(
+                args, kwargs = map_tensors(
                     (args, kwargs), lambda t: t.to(self.device, non_blocking=True)
                 )
         if (dtype := self.mp_policy.param_dtype) is not None and self.mp_policy.cast_forward_inputs:
-            args, kwargs = _map_tensors((args, kwargs), _float_caster(dtype))
+            args, kwargs = map_tensors((args, kwargs), _float_caster(dtype))
         group = self.param_group
         if group is None:
             return args, kwargs
@@ -360,7 +360,7 @@ class FSDPState:
                 if other.sharded_state is not ShardedState.UNSHARDED:
                     other.cancel_unshard()
         if (dtype := self.mp_policy.output_dtype) is not None:
-            output = _map_tensors(output, _float_caster(dtype))
+            output = map_tensors(output, _float_caster(dtype))
         return output
 
     # -- backward ---------------------------------------------------------
@@ -392,10 +392,9 @@ def _name_from_root(group: FSDPParamGroup, paths: list[str], module_paths: dict[
 
 
 def _register_tensor_hooks(output: Any, hook) -> None:
-    leaves, _ = tree_flatten(output)
-    for leaf in leaves:
-        if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
-            leaf.register_hook(hook)
+    for tensor in tensors_in(output):
+        if tensor.requires_grad:
+            tensor.register_hook(hook)
 
 
 def _check_root_only_settings(state: FSDPState, name: str) -> None:
@@ -417,12 +416,6 @@ def _check_root_only_settings(state: FSDPState, name: str) -> None:
             "to the whole model. Use it on the outermost sharded module (the one whose forward "
             "you call)."
         )
-
-
-def _map_tensors(tree: Any, fn) -> Any:
-    leaves, spec = tree_flatten(tree)
-    leaves = [fn(leaf) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
-    return tree_unflatten(leaves, spec)
 
 
 def _float_caster(dtype: torch.dtype):

@@ -1,21 +1,23 @@
-"""Loading full (unsharded) tensors into sharded parameters.
+"""State dicts of sharded modules: always the sharded parameters.
 
-``model.state_dict()`` needs nothing: the modules hold the sharded DTensor
-parameters, so it returns ``Shard(0)`` DTensors, and ``load_state_dict`` of
-DTensors copies shard to shard. A *full* tensor (e.g. from a single-device
-checkpoint) is cut to this rank's shard by a load pre-hook. A tensor whose
-shape differs is left as it is, so that ``load_state_dict`` reports the key
-and both shapes.
+``model.state_dict()`` returns what the modules hold, the sharded DTensor
+parameters, and ``load_state_dict`` of DTensors copies shard to shard. Both
+first reshard the group (a pre-hook), so a module kept unsharded after forward
+(``reshard_after_forward=False``) still saves and loads its shards. A *full*
+tensor (e.g. from a single-device checkpoint) is cut to this rank's shard by
+the load pre-hook. A tensor whose shape differs is left as it is, so that
+``load_state_dict`` reports the key and both shapes.
 """
 
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from .param import FSDPParam
+from .param_group import FSDPParamGroup
 
 
-def register_load_state_dict_hook(module: nn.Module, fsdp_params: list[FSDPParam]) -> None:
+def register_state_dict_hooks(module: nn.Module, group: FSDPParamGroup) -> None:
+    fsdp_params = group.fsdp_params
     paths = {id(m): path for path, m in module.named_modules(remove_duplicate=False)}
     by_key = {
         (f"{paths[id(slot.module)]}.{slot.name}" if paths[id(slot.module)] else slot.name): p
@@ -24,7 +26,11 @@ def register_load_state_dict_hook(module: nn.Module, fsdp_params: list[FSDPParam
         if id(slot.module) in paths
     }
 
+    def reshard(*_args) -> None:
+        group.reshard()
+
     def shard_full_tensors(_module, state_dict, prefix, *_args) -> None:
+        group.reshard()
         for key, fsdp_param in by_key.items():
             value = state_dict.get(prefix + key)
             if (
@@ -34,4 +40,5 @@ def register_load_state_dict_hook(module: nn.Module, fsdp_params: list[FSDPParam
             ):
                 state_dict[prefix + key] = fsdp_param.shard_like(value)
 
+    module.register_state_dict_pre_hook(reshard)
     module.register_load_state_dict_pre_hook(shard_full_tensors)

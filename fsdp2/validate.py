@@ -26,9 +26,10 @@ def check_module(module: nn.Module) -> None:
         )
     if type(module).forward is nn.Module.forward:
         raise ValueError(
-            f"fully_shard does not support {type(module).__name__}: it has no forward, so "
-            "its hooks would never run. Call fully_shard on each child instead "
-            "(e.g. `for block in model.layers: fully_shard(block)`) and then on the parent."
+            "fully_shard does not support containers that do not implement forward: "
+            f"{type(module).__name__} has none, so its hooks would never run. Call "
+            "fully_shard on each child instead (e.g. `for block in model.layers: "
+            "fully_shard(block)`) and then on the parent."
         )
     if "_fsdp_state" in module.__dict__:
         raise ValueError(

@@ -115,6 +115,7 @@ def run_ranks(fn: Callable[..., None], world_size: int, tmp_path: Path, *args: A
     """
     __tracebackhide__ = True  # pytest: show the rank's traceback, not this harness
     tmp_dir = Path(tmp_path)
+    tmp_dir.mkdir(parents=True, exist_ok=True)  # e.g. tmp_path / "case" for a second run
     ctx = mp.get_context("spawn")
     procs = [
         ctx.Process(target=_worker, args=(fn, rank, world_size, tmp_dir, args), name=f"rank{rank}")
