@@ -46,21 +46,54 @@ class ReduceInFlight(NamedTuple):
             in_flight.wait()
 
 
+# Dtypes the all-gather buffer may have when every slot shares it; anything
+# else (float8, integer data of quantized weights, a mix of dtypes) travels as
+# bytes. gloo has no float8 at all, and moving bytes is all an all-gather does.
+_TYPED_BUFFER_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def all_gather_dtype(slot_dtypes: list[torch.dtype]) -> torch.dtype:
+    """The dtype of a group's all-gather buffer: its slots' if they share a
+    common float dtype, else ``torch.uint8`` (slots counted in bytes)."""
+    dtypes = set(slot_dtypes)
+    if len(dtypes) == 1 and (dtype := dtypes.pop()) in _TYPED_BUFFER_DTYPES:
+        return dtype
+    return torch.uint8
+
+
+def as_buffer_dtype(tensor: torch.Tensor, buffer_dtype: torch.dtype) -> torch.Tensor:
+    """``tensor`` seen in the buffer's units: itself, or its bytes."""
+    if buffer_dtype is torch.uint8 and tensor.dtype is not torch.uint8:
+        return tensor.view(torch.uint8)
+    return tensor
+
+
 @torch.no_grad()
 def all_gather(
     inputs: list[torch.Tensor],
-    slot_numels: list[int],
-    dtype: torch.dtype,
+    slots: list[tuple[int, torch.dtype]],
+    buffer_dtype: torch.dtype,
     group: dist.ProcessGroup,
     rank: int,
     world_size: int,
     comm: CommContext,
     group_name: str = "",
 ) -> AllGatherInFlight:
-    """Copies ``inputs`` (flat, each at most its slot long) into this rank's
-    block of one flat buffer, casting to ``dtype``, and starts the all-gather."""
+    """Copies ``inputs`` (flat, each at most its slot's ``(elements, dtype)``
+    long) into this rank's block of one flat buffer of ``buffer_dtype``, casting
+    each to its slot's dtype, and starts the all-gather."""
+    if buffer_dtype is torch.uint8:
+        inputs = [
+            as_buffer_dtype(x.to(dtype), buffer_dtype)
+            for x, (_, dtype) in zip(inputs, slots, strict=True)
+        ]
+        slot_numels = [numel * dtype.itemsize for numel, dtype in slots]
+    else:
+        slot_numels = [numel for numel, _ in slots]
     shard_numel = sum(slot_numels)
-    all_gather_output = torch.empty(world_size * shard_numel, dtype=dtype, device=comm.device)
+    all_gather_output = torch.empty(
+        world_size * shard_numel, dtype=buffer_dtype, device=comm.device
+    )
     if not inputs:  # every parameter of the group is replicated
         return AllGatherInFlight(all_gather_output, InFlight.done())
     all_gather_input = all_gather_output.narrow(0, rank * shard_numel, shard_numel)
@@ -87,6 +120,8 @@ def copy_out(result: AllGatherInFlight, outputs: list[torch.Tensor]) -> None:
     (``FSDPParam.rank_major``): rank k's slot goes to row k."""
     if not outputs:
         return
+    buffer_dtype = result.all_gather_output.dtype
+    outputs = [as_buffer_dtype(out, buffer_dtype) for out in outputs]
     world_size = outputs[0].size(0)
     gathered = result.all_gather_output.view(world_size, -1)
     slot_numels = [out[0].numel() for out in outputs]

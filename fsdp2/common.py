@@ -73,12 +73,6 @@ def chunk_rows(dim0: int, world_size: int) -> int:
     return math.ceil(dim0 / world_size) if dim0 > 0 else 0
 
 
-def local_rows(dim0: int, world_size: int, rank: int) -> int:
-    """Rows of ``torch.chunk(t, world_size)[rank]``: zero for ranks past the last chunk."""
-    rows = chunk_rows(dim0, world_size)
-    return max(0, min(rows, dim0 - rank * rows))
-
-
 def device_from_mesh(mesh: DeviceMesh) -> torch.device:
     if mesh.device_type == "cpu":
         return torch.device("cpu")

@@ -19,6 +19,7 @@ from .state import FSDPState, get_fsdp_state
 from .state_dict import register_state_dict_hooks
 from .validate import (
     SHARDED_AS,
+    check_all_gather_extension,
     check_mesh_spans_world,
     check_min_numel_to_shard,
     check_module,
@@ -109,6 +110,7 @@ def fully_shard(
     mesh = resolve_mesh(mesh)
     check_policies(mp_policy, offload_policy)
     mesh_info = MeshInfo.from_mesh(mesh)
+    reshard_arg = reshard_after_forward
     reshard_after_forward, post_forward_mesh_info = _resolve_reshard_after_forward(
         reshard_after_forward, mesh_info
     )
@@ -124,6 +126,12 @@ def fully_shard(
     for nested in _nested_states(modules):
         if nested.parent is None:
             nested.parent = state
+    extended = [
+        check_all_gather_extension(
+            fqn, param, dim, reshard_arg if post_forward_mesh_info is not None else None
+        )
+        for (fqn, param), dim in zip(named_params, dims, strict=True)
+    ]
     if named_params:
         slots = _module_slots(modules, named_params)
         fsdp_params = [
@@ -136,9 +144,10 @@ def fully_shard(
                 mp_policy,
                 offload_policy,
                 shard_dim=dim,
-                replicated=_local_numel(param) < min_numel_to_shard,
+                # A subclass that all-gathers itself is always sharded.
+                replicated=not extends and _local_numel(param) < min_numel_to_shard,
             )
-            for (fqn, param), dim in zip(named_params, dims, strict=True)
+            for (fqn, param), dim, extends in zip(named_params, dims, extended, strict=True)
         ]
         _mark_sharded(modules, named_params)
         state.param_group = FSDPParamGroup(

@@ -35,7 +35,8 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
-from .common import MeshInfo, chunk_rows, local_rows
+from .common import MeshInfo, chunk_rows
+from .extension import AllGatherExtension, uses_all_gather_extension
 from .policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from .private_api import (
     concatenate_meshes,
@@ -60,6 +61,26 @@ def _contiguous_strides(size: torch.Size) -> tuple[int, ...]:
         strides.append(running)
         running *= dim
     return tuple(reversed(strides))
+
+
+def _shard_of(data: torch.Tensor, dim: int, world_size: int, rank: int) -> torch.Tensor:
+    """``torch.chunk(data, world_size, dim)[rank]`` (empty past the last chunk)
+    as a new contiguous tensor, so that the full tensor is not kept alive by its
+    shard (and a shard on dim > 0 is laid out as its slot). A tensor subclass
+    is cut and copied through its own ``chunk``, ``new_zeros`` and ``copy_``."""
+    chunks = torch.chunk(data, world_size, dim) if data.size(dim) else (data,)
+    # Past the last chunk: empty, like DTensor's.
+    piece = chunks[rank] if rank < len(chunks) else data.narrow(dim, data.size(dim), 0)
+    if type(data) in (torch.Tensor, nn.Parameter):
+        return piece.clone(memory_format=torch.contiguous_format)
+    local = piece.new_zeros(piece.shape)
+    local.copy_(piece)
+    return local
+
+
+def _shard_axis(mesh: DeviceMesh) -> DeviceMesh:
+    """The 1D mesh of the shard axis (the last) of a FSDP or HSDP mesh."""
+    return mesh if mesh.ndim == 1 else mesh[mesh.mesh_dim_names[-1]]
 
 
 class TPLayout(NamedTuple):
@@ -136,18 +157,14 @@ class FSDPParam:
         self.chunk_rows = chunk_rows(dim_size, world_size)  # along shard_dim
         # Elements of one rank's slot in the communication buffers (padded).
         self.padded_shard_numel = self.chunk_rows * (data.numel() // max(dim_size, 1))
-        rows = local_rows(dim_size, world_size, rank)
         start = min(rank * self.chunk_rows, dim_size)
         # Where the shard lives: the compute device, or the CPU when offloading.
         self.offload = isinstance(offload_policy, CPUOffloadPolicy)
         self.shard_device = torch.device("cpu") if self.offload else device
         with torch.no_grad():
-            local = data.detach().narrow(shard_dim, start, rows)
+            local = _shard_of(data.detach(), shard_dim, world_size, rank)
             # Meta parameters stay on meta until ``module.to_empty(device=...)``.
-            # Clone: the full tensor must not be kept alive by its shard (and a
-            # shard on dim > 0 must be contiguous: it is the slot's layout).
             local = local if data.is_meta else local.to(self.shard_device)
-            local = local.clone(memory_format=torch.contiguous_format)
             if self.offload and offload_policy.pin_memory and device.type != "cpu":
                 local = local.pin_memory()
         self._local_start = start
@@ -165,12 +182,25 @@ class FSDPParam:
         # HSDP: reduce-scattered but not yet all-reduced across replicas (local
         # shard shape, reduce dtype), from backwards run without all-reduce.
         self.partial_grad: torch.Tensor | None = None
+        # A subclass that all-gathers itself (see [Note: all-gather extensions]).
+        self.extension: AllGatherExtension | None = None
+        if uses_all_gather_extension(local):
+            self.extension = AllGatherExtension(
+                local,
+                _shard_axis(mesh_info.mesh),
+                device,
+                self.unsharded_size[0],
+                slots[0].module,
+                mp_policy,
+            )
         self._set_on_modules(self.sharded_param)
 
     def _init_dtypes(self, orig_dtype: torch.dtype) -> None:
         self.orig_dtype = orig_dtype
-        # Dtype of the all-gather and of the unsharded parameter.
-        self.param_dtype = self.mp_policy.param_dtype or orig_dtype
+        # Dtype of the all-gather and of the unsharded parameter. Mixed precision
+        # casts floating-point parameters only (not e.g. integer buffers-as-params).
+        cast = self.mp_policy.param_dtype if orig_dtype.is_floating_point else None
+        self.param_dtype = cast or orig_dtype
         # Dtype of the reduce-scatter and of gradients accumulated without sync.
         self.reduce_dtype = self.mp_policy.reduce_dtype or self.param_dtype
 
@@ -235,10 +265,44 @@ class FSDPParam:
 
     # -- all-gather -------------------------------------------------------
 
+    def all_gather_inputs(self) -> list[torch.Tensor]:
+        """This rank's inputs to the group's all-gather, flat, each at most its
+        slot long: the local shard (cast to ``param_dtype`` by the copy-in), or
+        what the subclass's ``fsdp_pre_all_gather`` returns."""
+        local = local_tensor(self.sharded_param)
+        if self.extension is None:
+            return [local.view(-1)]
+        if self.offload:
+            local = local.to(self.device, non_blocking=True)
+        return self.extension.pre_all_gather(
+            local, self.orig_size, _contiguous_strides(self.orig_size), self.mesh_info.shard_group
+        )
+
     @property
-    def all_gather_input(self) -> torch.Tensor:
-        """This rank's shard as a flat tensor (unpadded), read by the copy-in."""
-        return local_tensor(self.sharded_param).view(-1)
+    def all_gather_slots(self) -> list[tuple[int, torch.dtype]]:
+        """``(elements, dtype)`` of each of this parameter's slots in a rank's block
+        of the all-gather buffer (an extension's: known after its first inputs)."""
+        if self.extension is None:
+            return [(self.padded_shard_numel, self.param_dtype)]
+        return list(zip(self.extension.slot_numels, self.extension.slot_dtypes, strict=True))
+
+    def all_gather_outputs(self, world_size: int) -> list[torch.Tensor]:
+        """Where the copy-out writes, storage allocated, one per slot, rank-major
+        (row k receives rank k's slot; see ``rank_major``)."""
+        if self.extension is None:
+            return [self.rank_major(self.alloc_unsharded(), world_size)]
+        return self.extension.alloc_outputs(world_size)
+
+    def finish_unshard(self) -> None:
+        """After the copy-out: an extension builds (or refreshes) the unsharded
+        parameter from the outputs."""
+        if self.extension is not None:
+            self.unsharded_param = self.extension.post_all_gather(
+                local_tensor(self.sharded_param),
+                self.param_dtype,
+                self.unsharded_param,
+                self.requires_grad,
+            )
 
     def alloc_unsharded(self) -> torch.Tensor:
         """Returns the padded unsharded tensor, its storage (re)allocated.
@@ -287,10 +351,14 @@ class FSDPParam:
     def free_unsharded(self) -> None:
         if self._unsharded_padded is not None:
             self._unsharded_padded.untyped_storage().resize_(0)
+        if self.extension is not None:
+            self.extension.free()
 
     @property
     def unsharded_storage_bytes(self) -> int:
         """Bytes currently held by the unsharded parameter (0 when resharded)."""
+        if self.extension is not None:
+            return self.extension.storage_bytes
         if self._unsharded_padded is None:
             return 0
         return self._unsharded_padded.untyped_storage().size()

@@ -33,6 +33,8 @@ from .collectives import (
     AllGatherInFlight,
     ReduceInFlight,
     all_gather,
+    all_gather_dtype,
+    as_buffer_dtype,
     copy_out,
     output_slots,
     reduce_scatter,
@@ -90,11 +92,6 @@ class FSDPParamGroup:
     # -- sharded state ----------------------------------------------------
 
     @property
-    def param_dtype(self) -> torch.dtype:
-        """Of the all-gather (the unsharded parameters')."""
-        return self.fsdp_params[0].param_dtype
-
-    @property
     def all_gather_in_flight(self) -> bool:
         return self._all_gather is not None
 
@@ -105,25 +102,32 @@ class FSDPParamGroup:
             return
         if self.sharded_state is ShardedState.SHARDED_POST_FORWARD:
             info = self.post_forward_mesh_info
-            inputs = [self._post_forward_shard]
-            slot_numels = [self._post_forward_shard.numel()]
+            shard = self._post_forward_shard
+            inputs, slots = [shard], [(shard.numel(), shard.dtype)]
         else:
             info = self.mesh_info
-            inputs = [p.all_gather_input for p in self.sharded_params]
-            slot_numels = [p.padded_shard_numel for p in self.sharded_params]
+            inputs = [x for p in self.sharded_params for x in p.all_gather_inputs()]
+            slots = self._all_gather_slots()
+        buffer_dtype = all_gather_dtype([dtype for _, dtype in slots])
         if (check := self.ctx.order_check) is not None:
-            check.before_collective("all-gather", self, info.shard_group, sum(slot_numels))
+            numel = sum(
+                n * (dtype.itemsize if buffer_dtype is torch.uint8 else 1) for n, dtype in slots
+            )
+            check.before_collective("all-gather", self, info.shard_group, numel)
         logger.debug("%s: all-gather issued (%s)", self.name, self.sharded_state.name)
         self._all_gather = all_gather(
             inputs,
-            slot_numels,
-            self.param_dtype,
+            slots,
+            buffer_dtype,
             info.shard_group,
             info.shard_rank,
             info.shard_world_size,
             self.ctx.comm,
             self.name,
         )
+
+    def _all_gather_slots(self) -> list[tuple[int, torch.dtype]]:
+        return [slot for p in self.sharded_params for slot in p.all_gather_slots]
 
     @outside_functorch
     def wait_for_unshard(self) -> None:
@@ -139,8 +143,10 @@ class FSDPParamGroup:
             in_training = torch.is_grad_enabled() or self.ctx.final_callback_queued
             check.record("all-gather", self, in_training)
         with torch.profiler.record_function(f"fsdp2::all_gather_copy_out ({self.name})"):
-            outputs = [p.rank_major(p.alloc_unsharded(), world_size) for p in self.sharded_params]
+            outputs = [out for p in self.sharded_params for out in p.all_gather_outputs(world_size)]
             copy_out(self._all_gather, outputs)
+            for fsdp_param in self.sharded_params:
+                fsdp_param.finish_unshard()
             for fsdp_param in self.replicated_params:
                 fsdp_param.copy_replicated()
         self._all_gather = None
@@ -169,9 +175,12 @@ class FSDPParamGroup:
         """Keeps this rank's block of the small group (copied out of the unsharded
         parameters), then frees them."""
         info = self.post_forward_mesh_info
+        # In the all-gather buffer's units (bytes when the parameters' dtypes differ).
+        buffer_dtype = all_gather_dtype([dtype for _, dtype in self._all_gather_slots()])
         blocks = [
-            p.rank_major(p.alloc_unsharded(), info.shard_world_size)[info.shard_rank].reshape(-1)
+            as_buffer_dtype(out[info.shard_rank].reshape(-1), buffer_dtype)
             for p in self.sharded_params
+            for out in p.all_gather_outputs(info.shard_world_size)
         ]
         self._post_forward_shard = torch.cat(blocks)
         self._to_sharded()

@@ -8,6 +8,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from .extension import POST_ALL_GATHER, PRE_ALL_GATHER
 from .policy import MixedPrecisionPolicy, OffloadPolicy
 from .private_api import concatenate_meshes
 
@@ -110,15 +111,7 @@ def check_params(
     device: torch.device,
     mp_policy: MixedPrecisionPolicy,
 ) -> None:
-    gather_dtypes = {mp_policy.param_dtype or p.dtype for _, p in named_params}
-    if len(gather_dtypes) > 1:
-        by_dtype = {mp_policy.param_dtype or p.dtype: fqn for fqn, p in named_params}
-        raise ValueError(
-            "fully_shard all-gathers a group in one dtype, but these parameters differ: "
-            + ", ".join(f"{fqn!r} is {dtype}" for dtype, fqn in by_dtype.items())
-            + ". Shard them in separate fully_shard calls, or set "
-            "MixedPrecisionPolicy(param_dtype=...)."
-        )
+    _check_reduce_dtypes(named_params, mp_policy)
     for fqn, param in named_params:
         if (owner := param.__dict__.get(SHARDED_AS)) is not None:
             raise ValueError(
@@ -143,6 +136,59 @@ def check_params(
                 f"fully_shard: parameter {fqn!r} is on {param.device}, but the mesh's device "
                 f"is {device}. Move the module to {device} (or to CPU) before sharding."
             )
+
+
+def _check_reduce_dtypes(
+    named_params: list[tuple[str, nn.Parameter]], mp_policy: MixedPrecisionPolicy
+) -> None:
+    """Parameters of different dtypes are all-gathered together (as bytes), but
+    the gradients of a group are reduced in one dtype."""
+    by_dtype: dict[torch.dtype, str] = {}
+    for fqn, param in named_params:
+        if param.requires_grad:
+            cast = mp_policy.param_dtype if param.dtype.is_floating_point else None
+            by_dtype.setdefault(mp_policy.reduce_dtype or cast or param.dtype, fqn)
+    if len(by_dtype) > 1:
+        raise ValueError(
+            "fully_shard reduces the gradients of a group in one dtype, but these trainable "
+            "parameters would reduce in different ones: "
+            + ", ".join(f"{fqn!r} in {dtype}" for dtype, fqn in by_dtype.items())
+            + ". Set MixedPrecisionPolicy(reduce_dtype=...), or shard them in separate "
+            "fully_shard calls."
+        )
+
+
+def check_all_gather_extension(
+    fqn: str, param: nn.Parameter, shard_dim: int, reshard_to_group: int | None
+) -> bool:
+    """Whether ``param`` all-gathers itself (see [Note: all-gather extensions]),
+    refusing what fsdp2 cannot do with such a parameter."""
+    local = param.to_local() if isinstance(param, DTensor) else param
+    has_pre = hasattr(local, PRE_ALL_GATHER)
+    if has_pre != hasattr(local, POST_ALL_GATHER):
+        defined, missing = (
+            (PRE_ALL_GATHER, POST_ALL_GATHER) if has_pre else (POST_ALL_GATHER, PRE_ALL_GATHER)
+        )
+        raise TypeError(
+            f"fully_shard: parameter {fqn!r} is a {type(local).__name__} that defines "
+            f"{defined} but not {missing}. A tensor subclass that all-gathers itself must "
+            "define both (see torch.distributed.fsdp.fully_shard's extension protocol)."
+        )
+    if not has_pre:
+        return False
+    unsupported = (
+        ("tensor-parallel DTensor", isinstance(param, DTensor)),
+        (f"sharded on dim {shard_dim}", shard_dim != 0),
+        (f"reshard_after_forward={reshard_to_group}", reshard_to_group is not None),
+    )
+    for what, applies in unsupported:
+        if applies:
+            raise ValueError(
+                f"fully_shard: parameter {fqn!r} is a {type(local).__name__} that all-gathers "
+                f"itself (fsdp_pre_all_gather), which is not supported {what}. Shard it on "
+                "dim 0 of a plain tensor, with reshard_after_forward True or False."
+            )
+    return True
 
 
 def _check_tp_param(fqn: str, param: DTensor, mesh: DeviceMesh) -> None:

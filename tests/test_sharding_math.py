@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from fsdp2 import MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from fsdp2.collectives import all_gather, assign_sharded_grads, copy_out, reduce_scatter
 from fsdp2.comm import InFlight
-from fsdp2.common import MeshInfo, chunk_rows, local_rows
+from fsdp2.common import MeshInfo, chunk_rows
 from fsdp2.param import FSDPParam
 from fsdp2.private_api import chunk_cat_
 
@@ -109,7 +109,7 @@ def random_tensors(
 def all_gather_round_trip(origs: list[torch.Tensor], mesh: DeviceMesh) -> list[list[FSDPParam]]:
     """Runs every rank's copy-in, simulates the all-gather, runs every rank's copy-out.
 
-    Checks each rank's ``all_gather_input`` block against the layout in
+    Checks each rank's block of the all-gather buffer against the layout in
     collectives.py's docstring; padding is overwritten with NaN before the
     exchange, so any padding that leaked into an unsharded parameter shows.
     """
@@ -118,8 +118,8 @@ def all_gather_round_trip(origs: list[torch.Tensor], mesh: DeviceMesh) -> list[l
     with recording("all_gather_single") as calls:
         results = [
             all_gather(
-                [p.all_gather_input for p in params],
-                [p.padded_shard_numel for p in params],
+                [x for p in params for x in p.all_gather_inputs()],
+                [slot for p in params for slot in p.all_gather_slots],
                 params[0].param_dtype,
                 mesh.get_group(0),
                 rank,
@@ -130,7 +130,7 @@ def all_gather_round_trip(origs: list[torch.Tensor], mesh: DeviceMesh) -> list[l
         ]
     if world_size == 1:  # a world of one rank exchanges nothing: the input is the output
         assert calls == []
-        copy_out(results[0], [p.alloc_unsharded().view(1, -1) for p in per_rank[0]])
+        copy_out(results[0], [out for p in per_rank[0] for out in p.all_gather_outputs(1)])
         return per_rank
     assert len(calls) == world_size
 
@@ -156,7 +156,9 @@ def all_gather_round_trip(origs: list[torch.Tensor], mesh: DeviceMesh) -> list[l
     gathered = torch.stack(blocks)
     for rank, (output, _, _) in enumerate(calls):
         output.view(world_size, shard_numel).copy_(gathered)
-        copy_out(results[rank], [p.alloc_unsharded().view(world_size, -1) for p in per_rank[rank]])
+        copy_out(
+            results[rank], [out for p in per_rank[rank] for out in p.all_gather_outputs(world_size)]
+        )
     return per_rank
 
 
@@ -171,13 +173,12 @@ float_dtypes = st.sampled_from([torch.float32, torch.float64, torch.bfloat16])
 seeds = st.integers(0, 2**31 - 1)
 
 
-def test_local_rows_matches_torch_chunk() -> None:
+def test_chunk_rows_is_torch_chunk_size() -> None:
     """Exhaustive over dim0 in 0..40 and world sizes 1..8 (cheaper than sampling)."""
     for dim0 in range(41):
         t = torch.empty(dim0)
         for world_size in range(1, MAX_WORLD_SIZE + 1):
-            rows = [local_rows(dim0, world_size, rank) for rank in range(world_size)]
-            assert rows == [chunk_of(t, world_size, rank).size(0) for rank in range(world_size)]
+            rows = [chunk_of(t, world_size, rank).size(0) for rank in range(world_size)]
             assert sum(rows) == dim0
             slot = chunk_rows(dim0, world_size)
             assert all(r <= slot for r in rows)
@@ -362,12 +363,22 @@ def test_unshard_round_trip_float64(meshes: dict[int, DeviceMesh]) -> None:
     assert model.a.dtype == model.b.dtype == torch.float64
 
 
-def test_mixed_dtypes_in_one_group_rejected(meshes: dict[int, DeviceMesh]) -> None:
+def test_mixed_dtypes_in_one_group(meshes: dict[int, DeviceMesh]) -> None:
+    """Parameters of different dtypes are all-gathered together (as bytes) and
+    come back in their own dtypes, bit for bit; trainable ones must reduce in
+    one dtype."""
     model = TwoParams(torch.float32, torch.float64)
-    with pytest.raises(ValueError, match=r"one dtype.*'a' is torch.float32.*'b' is torch.float64"):
+    with pytest.raises(ValueError, match=r"one dtype.*'a' in torch.float32.*'b' in torch.float64"):
         fully_shard(model, mesh=meshes[1])
-    # With a compute dtype the group is all-gathered in one dtype: accepted.
-    fully_shard(model, mesh=meshes[1], mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32))
+    model.b.requires_grad_(False)  # frozen: nothing to reduce
+    origs = [model.a.detach().clone(), model.b.detach().clone()]
+    fully_shard(model, mesh=meshes[1])
+    model.unshard()
+    assert (model.a.dtype, model.b.dtype) == (torch.float32, torch.float64)
+    assert torch.equal(model.a, origs[0]) and torch.equal(model.b, origs[1])
+    # A common reduce dtype makes both trainable.
+    other = TwoParams(torch.float32, torch.float64)
+    fully_shard(other, mesh=meshes[1], mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32))
 
 
 def test_replicated_gradients_follow_the_sharded_ones_in_a_world_of_one(
