@@ -14,7 +14,7 @@ from .common import MeshInfo, ShardedState, device_from_mesh, post_forward_mesh_
 from .param import FSDPParam, ModuleSlot
 from .param_group import FSDPParamGroup
 from .policy import MixedPrecisionPolicy, OffloadPolicy
-from .private_api import mark_composable_api
+from .private_api import in_backward, mark_composable_api
 from .state import FSDPState, get_fsdp_state
 from .state_dict import register_state_dict_hooks
 from .validate import (
@@ -368,7 +368,8 @@ def _checked_forward(forward):
     def checked(self, *args: Any, **kwargs: Any) -> Any:
         state = self.__dict__["_fsdp_state"]
         group = state.param_group
-        if state.ctx.forward_root is None or (
+        in_forward = state.ctx.forward_root is not None or in_backward()  # or recomputing
+        if not in_forward or (
             group is not None and group.sharded_state is not ShardedState.UNSHARDED
         ):
             raise RuntimeError(

@@ -212,6 +212,24 @@ class FSDPParam:
         slot = self.slots[0]
         param = slot.module._parameters[slot.name]
         if param is not self.sharded_param:
+            local = local_tensor(param) if isinstance(param, DTensor) else None
+            if (
+                local is None
+                or local.shape != self.local_shape
+                or param.placements != self.placements
+            ):
+                raise ValueError(
+                    f"fsdp2: {self.fqn!r} was replaced by a "
+                    + (
+                        f"{tuple(local.shape)} shard placed {param.placements}"
+                        if local is not None
+                        else f"{type(param).__name__}"
+                    )
+                    + f", but its shard here is {tuple(self.local_shape)} placed {self.placements}. "
+                    "Assign DTensors sharded like model.state_dict()'s (e.g. distribute_tensor("
+                    "full, param.device_mesh, param.placements)), or load full tensors without "
+                    "assign=True."
+                )
             param.__dict__[FSDP_SHARDED] = True
             self.sharded_param = param
             self._set_on_modules(param)

@@ -203,11 +203,6 @@ class FSDPParamGroup:
         """Unshards and wraps the inputs in ``PostBackward``. Called once per module
         call: a group of several modules is called again, still in FORWARD, for
         each further module, until ``post_forward`` ends its forward."""
-        if self.training_state is TrainingState.PRE_BACKWARD:
-            # Forward recomputed inside backward (activation checkpointing).
-            self.unshard()
-            self.wait_for_unshard()
-            return args, kwargs
         if self.training_state is not TrainingState.FORWARD:
             self._post_backward_count = PostBackwardCount()
         self.training_state = TrainingState.FORWARD
@@ -217,9 +212,15 @@ class FSDPParamGroup:
             args, kwargs = self._register_post_backward(args, kwargs)
         return args, kwargs
 
+    def unshard_for_recomputation(self) -> None:
+        """A forward recomputed inside backward (activation checkpointing) needs
+        the parameters, possibly after this group's post-backward resharded them
+        (a module called twice); the training state stays as backward set it,
+        and post-backward or the final callback reshards."""
+        self.unshard()
+        self.wait_for_unshard()
+
     def post_forward(self) -> None:
-        if self.training_state is TrainingState.PRE_BACKWARD:
-            return
         if torch.is_grad_enabled():
             self._post_forward_indices.append(len(self.ctx.post_forward_order))
             self.ctx.post_forward_order.append(self)

@@ -24,6 +24,7 @@ __all__ = [
     "concatenate_meshes",
     "dtensor_from_local_no_grad",
     "dtensor_spec",
+    "in_backward",
     "local_tensor",
     "mark_composable_api",
     "outside_functorch",
@@ -59,6 +60,16 @@ def mark_composable_api(module: torch.nn.Module, api_name: str) -> None:
     """
     registry = module.__dict__.setdefault(REGISTRY_KEY, {})
     registry.setdefault(api_name, RegistryItem())
+
+
+def in_backward() -> bool:
+    """Whether the autograd engine is running a backward on this thread, e.g.
+    a forward recomputed for activation checkpointing.
+
+    Why private: the engine exposes no public "am I inside backward" query;
+    ``torch._C._current_graph_task_id`` is what torch's own fully_shard uses.
+    """
+    return torch._C._current_graph_task_id() != -1
 
 
 def local_tensor(dtensor: DTensor) -> torch.Tensor:

@@ -29,11 +29,17 @@ import torch.nn as nn
 
 from .collectives import ReduceInFlight, all_reduce, assign_sharded_grads
 from .comm import CommContext
-from .common import MeshInfo, ShardedState, TrainingState
+from .common import MeshInfo, ShardedState
 from .order import ExecutionOrderCheck
 from .param_group import FSDPParamGroup
 from .policy import MixedPrecisionPolicy
-from .private_api import map_tensors, queue_backward_callback, tensors_in
+from .private_api import (
+    in_backward,
+    local_tensor,
+    map_tensors,
+    queue_backward_callback,
+    tensors_in,
+)
 
 logger = logging.getLogger("fsdp2")
 
@@ -173,6 +179,9 @@ class RootContext:
                     continue
                 if group.needs_post_backward:
                     group.post_backward()
+                elif group.reshard_after_backward:
+                    # Unsharded again after its post-backward, for a recomputation.
+                    group.reshard()
                 group.cancel_unshard()
             if self.is_last_backward:
                 self.finish_reduce_scatter()
@@ -292,6 +301,7 @@ class FSDPState:
         for state, names in paths.items():
             if state.param_group is not None:
                 _name_from_root(state.param_group, names, module_paths)
+        _check_materialized(ctx.groups)
         if self.param_group is not None and self.reshard_after_forward_arg is None:
             # The root's parameters are needed again first thing in backward.
             self.param_group.reshard_after_forward = False
@@ -305,21 +315,24 @@ class FSDPState:
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         self.lazy_init()
+        if in_backward():
+            # A forward recomputed inside backward (activation checkpointing): only
+            # the parameters and the input casts of forward are needed. (Recomputation
+            # may stop early, without the post-hook: nothing here must need it.)
+            if (group := self.param_group) is not None:
+                group.unshard_for_recomputation()
+            return self._cast_inputs(args, kwargs)
         if self.ctx.forward_root is None:
             self.ctx.forward_root = self
-            if not self.ctx.final_callback_queued:  # not a recomputation inside backward
-                self.ctx.start_forward()
+            self.ctx.start_forward()
             if self.device.type != "cpu":
                 args, kwargs = map_tensors(
                     (args, kwargs), lambda t: t.to(self.device, non_blocking=True)
                 )
-        if (dtype := self.mp_policy.param_dtype) is not None and self.mp_policy.cast_forward_inputs:
-            args, kwargs = map_tensors((args, kwargs), _float_caster(dtype))
+        args, kwargs = self._cast_inputs(args, kwargs)
         group = self.param_group
         if group is None:
             return args, kwargs
-        if group.training_state is TrainingState.PRE_BACKWARD:
-            return group.pre_forward(args, kwargs)  # recomputation inside backward
         args, kwargs = group.pre_forward(args, kwargs)
         if self.modules_to_run:
             return args, kwargs  # a further module of the group's forward in progress
@@ -338,19 +351,30 @@ class FSDPState:
                     state.param_group.unshard()
         return args, kwargs
 
+    def _cast_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if (dtype := self.mp_policy.param_dtype) is not None and self.mp_policy.cast_forward_inputs:
+            return map_tensors((args, kwargs), _float_caster(dtype))
+        return args, kwargs
+
+    def _cast_output(self, output: Any) -> Any:
+        if (dtype := self.mp_policy.output_dtype) is not None:
+            return map_tensors(output, _float_caster(dtype))
+        return output
+
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
+        if in_backward():  # recomputation: the group reshards after its backward
+            return self._cast_output(output)
         group = self.param_group
-        in_backward = group is not None and group.training_state is TrainingState.PRE_BACKWARD
         is_forward_root = self.ctx.forward_root is self
         if is_forward_root:
             self.ctx.finish_partial_forwards(self)
-        if group is not None and not in_backward:
+        if group is not None:
             self.modules_to_run.discard(module)
             if is_forward_root:
                 self.modules_to_run.clear()  # its other modules did not run
             if not self.modules_to_run:
                 group.post_forward()
-        if torch.is_grad_enabled() and not in_backward:
+        if torch.is_grad_enabled():
             _register_tensor_hooks(output, self._pre_backward)
         if is_forward_root:
             self.ctx.forward_root = None
@@ -359,9 +383,7 @@ class FSDPState:
             for other in self.ctx.groups:
                 if other.sharded_state is not ShardedState.UNSHARDED:
                     other.cancel_unshard()
-        if (dtype := self.mp_policy.output_dtype) is not None:
-            output = map_tensors(output, _float_caster(dtype))
-        return output
+        return self._cast_output(output)
 
     # -- backward ---------------------------------------------------------
 
@@ -389,6 +411,26 @@ def _name_from_root(group: FSDPParamGroup, paths: list[str], module_paths: dict[
             fsdp_param.fqn = (
                 f"{path}.{fsdp_param.slots[0].name}" if path else fsdp_param.slots[0].name
             )
+
+
+def _check_materialized(groups: list[FSDPParamGroup]) -> None:
+    """Parameters built on the meta device must be materialized (``to_empty`` and
+    initialised, or loaded) before the first forward: sharded meta tensors hold
+    no values to compute with."""
+    on_meta = [
+        [p.fqn for p in group.fsdp_params if local_tensor(p.sharded_param).is_meta]
+        for group in groups
+    ]
+    on_meta = [names for names in on_meta if names]
+    if on_meta:
+        more = sum(len(names) for names in on_meta[1:])
+        raise RuntimeError(
+            "FSDP parameters should be materialized from meta device before training, but "
+            f"the following were still on meta device: {on_meta[0]}"
+            + (f" and {more} more in other groups" if more else "")
+            + ". Call model.to_empty(device=...) and initialise them (e.g. each module's "
+            "reset_parameters()), or load a checkpoint, before the first forward."
+        )
 
 
 def _register_tensor_hooks(output: Any, hook) -> None:

@@ -6,7 +6,9 @@ first reshard the group (a pre-hook), so a module kept unsharded after forward
 (``reshard_after_forward=False``) still saves and loads its shards. A *full*
 tensor (e.g. from a single-device checkpoint) is cut to this rank's shard by
 the load pre-hook. A tensor whose shape differs is left as it is, so that
-``load_state_dict`` reports the key and both shapes.
+``load_state_dict`` reports the key and both shapes. ``load_state_dict(...,
+assign=True)`` (e.g. sharded tensors for a meta-device model) registers new
+parameter objects; a load post-hook makes the group adopt them.
 """
 
 import torch
@@ -40,5 +42,10 @@ def register_state_dict_hooks(module: nn.Module, group: FSDPParamGroup) -> None:
             ):
                 state_dict[prefix + key] = fsdp_param.shard_like(value)
 
+    def adopt_assigned_params(*_args) -> None:
+        # load_state_dict(..., assign=True) registered new parameter objects.
+        group.reset_sharded_params()
+
     module.register_state_dict_pre_hook(reshard)
     module.register_load_state_dict_pre_hook(shard_full_tensors)
+    module.register_load_state_dict_post_hook(adopt_assigned_params)

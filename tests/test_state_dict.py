@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.testing import assert_close
 
 pytestmark = pytest.mark.distributed
@@ -272,12 +272,41 @@ def _reset_parameters(rank: int, world_size: int, mesh: DeviceMesh) -> None:
     _train_in_parity(model, ref, rank, world_size)
 
 
+def _broadcast_and_assign(rank: int, world_size: int, mesh: DeviceMesh) -> None:
+    """Rank 0 alone holds the full weights; every rank builds on meta, receives
+    them by broadcast, shards them like ``model.state_dict()`` and loads them
+    with ``assign=True`` (no ``to_empty``). A tied weight stays tied."""
+    with torch.device("meta"):
+        unmaterialized = shard_model(_build(SD_KIND), mesh=mesh)
+    with pytest.raises(
+        RuntimeError,
+        match=r"materialized from meta device.*still on meta device: \['tok_embeddings.weight', "
+        r".*\] and \d+ more in other groups.*to_empty",
+    ):
+        unmaterialized(_batch(SD_KIND, 0)[0].chunk(world_size)[rank])
+    full = _build(SD_KIND).state_dict() if rank == 0 else None
+    with torch.device("meta"):
+        model = shard_model(_build(SD_KIND), mesh=mesh)
+    sharded = {}
+    for key, meta in model.state_dict().items():
+        value = full[key] if rank == 0 else torch.empty(meta.shape, dtype=meta.dtype)
+        dist.broadcast(value, src=0)
+        sharded[key] = distribute_tensor(value, meta.device_mesh, meta.placements)
+    model.load_state_dict(sharded, assign=True)
+    assert model.output.weight is model.tok_embeddings.weight, "the tie was lost"
+    for name, param in model.named_parameters():
+        assert isinstance(param, DTensor) and not param.is_meta, name
+    _train_in_parity(model, _build(SD_KIND), rank, world_size, kind=SD_KIND)
+
+
 def _meta_init(rank: int, world_size: int, mesh: DeviceMesh) -> None:
     for kind in (KIND, "rotary"):
         with labelled(f"{kind}: set_model_state_dict(full_state_dict=True)"):
             _load_full_state_dict(rank, world_size, mesh, kind)
     with labelled("reset_parameters()"):
         _reset_parameters(rank, world_size, mesh)
+    with labelled("rank 0's weights broadcast, sharded, load_state_dict(assign=True)"):
+        _broadcast_and_assign(rank, world_size, mesh)
 
 
 # -- state dicts and distributed checkpoints ----------------------------------
@@ -447,8 +476,11 @@ def test_meta_init_state_dicts_and_checkpoints(tmp_path: Path) -> None:
     sharded (shards still meta), then to_empty(device="cpu"), then either
     set_model_state_dict of a full state dict (parameters equal it bit for bit)
     or reset_parameters() on every submodule (LayerNorms ones/zeros, Linears
-    within their init bound, embeddings N(0, 1)): training then matches a
-    reference holding the same values over 3 steps. A non-persistent buffer
+    within their init bound, embeddings N(0, 1)), or without to_empty: rank 0's
+    weights broadcast, sharded with distribute_tensor and loaded with
+    assign=True (the tie kept): training then matches a reference holding the
+    same values over 3 steps. A forward before materializing names the meta
+    parameters. A non-persistent buffer
     holds garbage after to_empty, still after loading the state dict, and the
     right values after the documented recipe (init_buffers() on every module
     that has it).
