@@ -57,9 +57,17 @@ def resolve_mesh(mesh: DeviceMesh | None) -> DeviceMesh:
         )
     if mesh.ndim not in (1, 2):
         raise ValueError(
-            f"fully_shard supports 1D meshes (FSDP) and 2D meshes (HSDP: replicate, shard), got "
-            f"a {mesh.ndim}D mesh with shape {tuple(mesh.shape)}. Pass the data-parallel "
-            "sub-mesh, e.g. mesh['dp'] or mesh['dp_replicate', 'dp_shard']."
+            f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh}, {mesh.ndim}D with shape "
+            f"{tuple(mesh.shape)}: 1D shards over it (FSDP), 2D replicates over axis 0 and "
+            "shards over axis 1 (HSDP). Pass the data-parallel sub-mesh, e.g. mesh['dp'] or "
+            "mesh['dp_replicate', 'dp_shard']."
+        )
+    if mesh.ndim == 2 and mesh.mesh_dim_names is None:
+        # AssertionError, as torch's fully_shard raises for this.
+        raise AssertionError(
+            "Please init the 2D mesh for HSDP with mesh_dim_names specified, e.g. "
+            "init_device_mesh(device_type, (replicas, shards), mesh_dim_names=('replicate', "
+            "'shard')): the names say which axis replicates and which shards."
         )
     return mesh
 
@@ -124,7 +132,15 @@ def check_params(
         if param.dim() == 0:
             raise ValueError(
                 f"fully_shard does not support scalar parameters: {fqn!r} is 0-dimensional. "
-                "Make it a 1D tensor with one element (e.g. nn.Parameter(torch.ones(1)))."
+                f"Change {fqn} to a 1D tensor with numel equal to 1 (e.g. "
+                "nn.Parameter(torch.ones(1)))."
+            )
+        if not param.is_contiguous():
+            raise NotImplementedError(
+                f"FSDP does not support non-contiguous parameters: {fqn!r} has shape "
+                f"{tuple(param.shape)} and strides {param.stride()} (e.g. channels_last). Make "
+                "it contiguous before fully_shard, e.g. "
+                "module.to(memory_format=torch.contiguous_format)."
             )
         if param.device.type not in ("cpu", "meta", device.type) or (
             param.device.type == device.type
@@ -249,17 +265,19 @@ def shard_dims(
         ndim = param.dim()
         dim = placement.dim + ndim if placement.dim < 0 else placement.dim
         if not 0 <= dim < ndim:
-            raise ValueError(
-                f"shard_placement_fn returned Shard({placement.dim}) for {fqn!r}, which has "
-                f"{ndim} dims (shape {tuple(param.shape)}). Return a dim in [{-ndim}, {ndim})."
+            # AssertionError and NotImplementedError below, as torch's fully_shard raises.
+            raise AssertionError(
+                f"Shard dim {placement.dim} is invalid for {ndim}D tensor {fqn!r} (shape "
+                f"{tuple(param.shape)}): shard_placement_fn returned Shard({placement.dim}). "
+                f"Return a dim in [{-ndim}, {ndim})."
             )
         size = (param.to_local() if isinstance(param, DTensor) else param).size(dim)
         if dim > 0 and size % world_size:
-            raise ValueError(
-                f"fully_shard: {fqn!r} is sharded on dim {dim} of size {size} (shape "
-                f"{tuple(param.shape)}), which does not split evenly over {world_size} ranks. "
-                f"Only dim 0 may be uneven: shard it on a dim whose size {world_size} "
-                "divides, or on dim 0."
+            raise NotImplementedError(
+                f"FSDP does not support uneven sharding on dim {dim}: {fqn!r} has size {size} "
+                f"there (shape {tuple(param.shape)}), which does not split evenly over "
+                f"{world_size} ranks. Only dim 0 may be uneven: shard it on a dim whose size "
+                f"{world_size} divides, or on dim 0."
             )
         dims.append(dim)
     return dims

@@ -127,10 +127,31 @@ def test_mesh_not_a_device_mesh_raises(mesh: DeviceMesh, bad_mesh: object) -> No
     assert_untouched(model, MLP)
 
 
+def test_2d_mesh_without_names_and_non_contiguous_params_raise_torchs_types(
+    mesh: DeviceMesh,
+) -> None:
+    """As torch's fully_shard: AssertionError for an HSDP mesh without axis
+    names, NotImplementedError for a non-contiguous (channels_last) weight."""
+    model = MLP()
+    with pytest.raises(AssertionError, match=r"2D mesh for HSDP with mesh_dim_names specified"):
+        fully_shard(model, mesh=init_device_mesh("cpu", (2, 4)))
+    assert_untouched(model, MLP)
+    conv = nn.Conv2d(8, 8, 3).to(memory_format=torch.channels_last)
+    with pytest.raises(
+        NotImplementedError,
+        match=r"non-contiguous parameters: 'weight' has shape \(8, 8, 3, 3\) and strides "
+        r"\(72, 1, 24, 8\).*contiguous_format",
+    ):
+        fully_shard(conv, mesh=mesh)
+    assert_untouched(conv, nn.Conv2d)
+
+
 def test_3d_mesh_raises_and_2d_hsdp_and_1d_submesh_work(mesh: DeviceMesh) -> None:
     mesh_3d = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "replicate", "dp"))
     model = MLP()
-    with pytest.raises(ValueError, match=r"got a 3D mesh with shape \(2, 2, 2\)"):
+    with pytest.raises(
+        ValueError, match=r"expects a 1D or 2D DeviceMesh .* 3D with shape \(2, 2, 2\)"
+    ):
         fully_shard(model, mesh=mesh_3d)
     assert_untouched(model, MLP)
 
@@ -180,7 +201,8 @@ def test_scalar_parameter_raises_naming_it(mesh: DeviceMesh) -> None:
     model = nn.Sequential(nn.Linear(4, 4), Scaled())
     with pytest.raises(
         ValueError,
-        match=r"does not support scalar parameters: '1\.scale' is 0-dimensional.*torch\.ones\(1\)",
+        match=r"does not support scalar parameters: '1\.scale' is 0-dimensional\. Change 1\.scale "
+        r"to a 1D tensor.*torch\.ones\(1\)",
     ):
         fully_shard(model, mesh=mesh)
     assert_untouched(model, nn.Sequential)
@@ -386,9 +408,9 @@ def test_shard_placement_fn_dim_out_of_range_raises(
     model = MLP()
     before = _params_by_name(model)
     with pytest.raises(
-        ValueError,
-        match=rf"returned Shard\({dim}\) for {re.escape(repr(name))}, which has {ndim} dims "
-        rf"\(shape {re.escape(str(shape))}\)\. Return a dim in \[-{ndim}, {ndim}\)",
+        AssertionError,  # torch's type
+        match=rf"Shard dim {dim} is invalid for {ndim}D tensor {re.escape(repr(name))} "
+        rf"\(shape {re.escape(str(shape))}\).*Return a dim in \[-{ndim}, {ndim}\)",
     ):
         fully_shard(model, mesh=mesh, shard_placement_fn=_place({name: Shard(dim)}, model))
     assert_untouched(model, MLP)
@@ -409,8 +431,8 @@ def test_shard_placement_fn_uneven_dim_raises_naming_size_and_world(
     model.down.weight = nn.Parameter(torch.randn(shape))
     before = _params_by_name(model)
     with pytest.raises(
-        ValueError,
-        match=rf"'down\.weight' is sharded on dim {resolved} of size {size} "
+        NotImplementedError,  # torch's type
+        match=rf"uneven sharding on dim {resolved}: 'down\.weight' has size {size} there "
         rf"\(shape {re.escape(str(shape))}\), which does not split evenly over 8 ranks",
     ):
         fully_shard(model, mesh=mesh, shard_placement_fn=_place({"down.weight": Shard(dim)}, model))
@@ -424,7 +446,7 @@ def test_shard_placement_fn_evenness_is_over_the_shard_group(mesh: DeviceMesh) -
     hsdp = init_device_mesh("cpu", (2, 4), mesh_dim_names=("replicate", "shard"))
     model = MLP()  # down.weight is (16, 12)
     model.up.weight = nn.Parameter(torch.randn(12, 6))
-    with pytest.raises(ValueError, match=r"'up\.weight' is sharded on dim 1 of size 6 .* 4 ranks"):
+    with pytest.raises(NotImplementedError, match=r"'up\.weight' has size 6 there .* 4 ranks"):
         fully_shard(model, mesh=hsdp, shard_placement_fn=_place({"up.weight": Shard(1)}, model))
     assert_untouched(model, MLP)
 
@@ -581,9 +603,7 @@ def test_tp_parameter_placed_on_the_joined_mesh(dp_tp: DeviceMesh) -> None:
 
     # TP-local (12, 3) of a (12, 12) weight sharded on dim 1: 3 does not split over 2.
     model = _with_tp_weight(dp_tp["tp"], Shard(1), shape=(12, 3))
-    with pytest.raises(
-        ValueError, match=r"'up\.weight' is sharded on dim 1 of size 3 .* over 2 ranks"
-    ):
+    with pytest.raises(NotImplementedError, match=r"'up\.weight' has size 3 there .* over 2 ranks"):
         fully_shard(
             model, mesh=dp_tp["dp"], shard_placement_fn=_place({"up.weight": Shard(1)}, model)
         )
