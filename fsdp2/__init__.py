@@ -4,7 +4,8 @@ The public API mirrors ``torch.distributed.fsdp.fully_shard``.
 """
 
 from .clip import clip_grad_norm_
-from .fully_shard import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
+from .fully_shard import fully_shard
+from .module import FSDPModule, UnshardHandle, register_fsdp_forward_method
 from .policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from .stats import CommStats, comm_stats
 from .summary import GroupSummary, summary
