@@ -4,23 +4,28 @@ The public API mirrors ``torch.distributed.fsdp.fully_shard``.
 """
 
 from .clip import clip_grad_norm_
+from .custom_comm import AllGather, Comm, ReduceScatter
 from .fully_shard import fully_shard
-from .module import FSDPModule, UnshardHandle, register_fsdp_forward_method
+from .module import FSDPModule, UnshardHandle, register_fsdp_forward_method, share_comm_ctx
 from .policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from .stats import CommStats, comm_stats
 from .summary import GroupSummary, summary
 
 __all__ = [
+    "AllGather",
     "CPUOffloadPolicy",
+    "Comm",
     "CommStats",
     "FSDPModule",
     "GroupSummary",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
+    "ReduceScatter",
     "UnshardHandle",
     "clip_grad_norm_",
     "comm_stats",
     "fully_shard",
     "register_fsdp_forward_method",
+    "share_comm_ctx",
     "summary",
 ]

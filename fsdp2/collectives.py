@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from .comm import CommContext, InFlight
+from .custom_comm import AllGather, ReduceScatter, allocate
 from .param import FSDPParam
 from .private_api import chunk_cat_
 
@@ -38,7 +39,7 @@ class ReduceInFlight(NamedTuple):
     # 1D, in reduce dtype: this rank's reduce-scattered shard_numel, then the
     # replicated parameters' whole gradients.
     output: torch.Tensor
-    divisor: int  # ranks the gradient is averaged over
+    divisor: float  # the ranks averaged over, or set_gradient_divide_factor's
     in_flight: tuple[InFlight, ...]  # the collectives of this stage
 
     def wait(self) -> None:
@@ -78,10 +79,11 @@ def all_gather(
     world_size: int,
     comm: CommContext,
     group_name: str = "",
+    custom: AllGather | None = None,
 ) -> AllGatherInFlight:
     """Copies ``inputs`` (flat, each at most its slot's ``(elements, dtype)``
     long) into this rank's block of one flat buffer of ``buffer_dtype``, casting
-    each to its slot's dtype, and starts the all-gather."""
+    each to its slot's dtype, and starts the all-gather (``custom``'s, if set)."""
     if buffer_dtype is torch.uint8:
         inputs = [
             as_buffer_dtype(x.to(dtype), buffer_dtype)
@@ -91,9 +93,7 @@ def all_gather(
     else:
         slot_numels = [numel for numel, _ in slots]
     shard_numel = sum(slot_numels)
-    all_gather_output = torch.empty(
-        world_size * shard_numel, dtype=buffer_dtype, device=comm.device
-    )
+    all_gather_output = allocate(custom, world_size * shard_numel, buffer_dtype, comm.device)
     if not inputs:  # every parameter of the group is replicated
         return AllGatherInFlight(all_gather_output, InFlight.done())
     all_gather_input = all_gather_output.narrow(0, rank * shard_numel, shard_numel)
@@ -107,7 +107,7 @@ def all_gather(
         "all_gather",
         group_name,
         all_gather_output.numel() * all_gather_output.element_size(),
-        lambda async_op: dist.all_gather_single(
+        lambda async_op: (dist.all_gather_single if custom is None else custom)(
             all_gather_output, all_gather_input, group=group, async_op=async_op
         ),
     )
@@ -138,13 +138,14 @@ def reduce_scatter(
     unsharded_grads: list[torch.Tensor],
     group: dist.ProcessGroup,
     world_size: int,
-    divisor: int,
+    divisor: float,
     comm: CommContext,
     group_name: str = "",
+    custom: ReduceScatter | None = None,
 ) -> ReduceInFlight:
     """Packs the gradients (unsharded-shaped) rank-major and starts the
-    (summing) reduce-scatter; replicated parameters' gradients are packed after
-    it and all-reduced.
+    (summing) reduce-scatter (``custom``'s, if set); replicated parameters'
+    gradients are packed after it and all-reduced.
 
     The caller drops its references to ``unsharded_grads`` afterwards: the
     packed copies are all the collectives need.
@@ -157,8 +158,8 @@ def reduce_scatter(
     grad = unsharded_grads[0]
     # bf16/fp16: average before the sum so that it cannot overflow.
     pre_divide = grad.dtype.itemsize < 4
-    reduce_scatter_input = torch.empty(
-        (world_size, shard_numel), dtype=grad.dtype, device=grad.device
+    reduce_scatter_input = allocate(custom, world_size * shard_numel, grad.dtype, grad.device).view(
+        world_size, shard_numel
     )
     # A world of one exchanges nothing: the input is the whole output, unless
     # replicated gradients must follow it.
@@ -166,7 +167,7 @@ def reduce_scatter(
     if input_is_output:
         output = reduce_scatter_input.view(-1)
     else:
-        output = torch.empty(shard_numel + replicated_numel, dtype=grad.dtype, device=grad.device)
+        output = allocate(custom, shard_numel + replicated_numel, grad.dtype, grad.device)
     # Empty gradients have empty slots; the fused copy rejects them. It pads and
     # chunks dim 0: a gradient sharded on another dim goes in as its rank-major view.
     nonempty = [g if p.shard_dim == 0 else p.rank_major(g, world_size) for p, g in sharded]
@@ -182,11 +183,12 @@ def reduce_scatter(
                 "reduce_scatter",
                 group_name,
                 reduce_scatter_input.numel() * reduce_scatter_input.element_size(),
-                lambda async_op: dist.reduce_scatter_single(
+                lambda async_op: _reduce_scatter(
+                    custom,
                     output.narrow(0, 0, shard_numel),
                     reduce_scatter_input.view(-1),
-                    group=group,
-                    async_op=async_op,
+                    group,
+                    async_op,
                 ),
             )
         )
@@ -215,6 +217,24 @@ def reduce_scatter(
     )
 
 
+def _reduce_scatter(
+    custom: ReduceScatter | None,
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: dist.ProcessGroup,
+    async_op: bool,
+) -> dist.Work | None:
+    if custom is None:
+        return dist.reduce_scatter_single(output, input, group=group, async_op=async_op)
+    return custom(
+        output_tensor=output,
+        input_tensor=input,
+        group=group,
+        op=dist.ReduceOp.SUM,
+        async_op=async_op,
+    )
+
+
 @torch.no_grad()
 def all_reduce(
     reduced: ReduceInFlight, group: dist.ProcessGroup, comm: CommContext, group_name: str = ""
@@ -240,9 +260,15 @@ def output_slots(reduced: ReduceInFlight) -> list[torch.Tensor]:
 
 
 @torch.no_grad()
-def assign_sharded_grads(reduced: ReduceInFlight) -> None:
-    """Averages a finished reduction as DDP does and accumulates the sharded grads."""
-    if reduced.output.dtype.itemsize >= 4:
+def average(reduced: ReduceInFlight) -> None:
+    """Divides a finished reduction's sums by the divisor (by default the ranks
+    averaged over, as DDP does); 16-bit ones were divided before the sum."""
+    if reduced.output.dtype.itemsize >= 4 and reduced.divisor != 1:
         reduced.output.div_(reduced.divisor)
+
+
+@torch.no_grad()
+def assign_sharded_grads(reduced: ReduceInFlight) -> None:
+    """Accumulates an averaged reduction into the sharded grads."""
     for fsdp_param, local_grad in zip(reduced.fsdp_params, output_slots(reduced), strict=True):
         fsdp_param.accumulate_sharded_grad(local_grad)

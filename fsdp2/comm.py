@@ -78,6 +78,8 @@ class CommContext:
         self.uses_streams = device.type != "cpu"
         self._streams: dict[str, torch.Stream] = {}
         self.stats: CommStats | None = None  # set while ``comm_stats`` is open
+        # Accelerators: ``set_post_optim_event``'s event, waited for by the next all-gather.
+        self.post_optim_event: torch.Event | None = None
 
     def _stream(self, name: str) -> torch.Stream:
         if name not in self._streams:
@@ -105,8 +107,30 @@ class CommContext:
             if not self.uses_streams:
                 return InFlight(collective(True), None, label, stats)
             stream = self._stream(kind)
+            if kind == "all_gather" and (event := self.post_optim_event) is not None:
+                stream.wait_event(event)  # the optimizer step has written the shards
+                self.post_optim_event = None
+            # The copy-in ran on the current stream.
             stream.wait_stream(torch.accelerator.current_stream(self.device))
             with stream:
                 collective(False)
                 event = stream.record_event()
         return InFlight(None, event, label, stats)
+
+    def run_hook(
+        self,
+        hook: Callable[[torch.Tensor], None],
+        tensor: torch.Tensor,
+        stream: torch.Stream | None,
+    ) -> None:
+        """Runs a user hook on a finished reduction (``set_all_reduce_hook``): on
+        ``stream`` if one was given (accelerators), ordered after the reduction
+        and before anything that reads ``tensor`` next."""
+        if stream is None:
+            hook(tensor)
+            return
+        current = torch.accelerator.current_stream(self.device)
+        stream.wait_stream(current)
+        with stream:
+            hook(tensor)
+        current.wait_stream(stream)

@@ -3,10 +3,15 @@ module-level functions that act on sharded modules."""
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Callable
 from typing import Any
 
+import torch
+import torch.distributed as dist
 import torch.nn as nn
 
+from .custom_comm import AllGather, ReduceScatter, check_comm
 from .param_group import FSDPParamGroup
 from .state import FSDPState
 
@@ -171,6 +176,178 @@ class FSDPModule:
         replacing the default (the module that ran just before it in forward)."""
         self._fsdp_state.backward_prefetch = [_state_of(m, "backward") for m in modules]
 
+    # -- gradient reduction -------------------------------------------------
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divides this module's reduced gradients by ``factor`` instead of the
+        number of ranks averaged over, e.g. 1 when the loss is already a sum
+        normalised by a global token count (torchtitan). Not recursive.
+
+        Args:
+            factor: a positive number.
+        """
+        if isinstance(factor, bool) or not isinstance(factor, int | float) or factor <= 0:
+            raise ValueError(
+                f"set_gradient_divide_factor expects a positive number, got {factor!r}."
+            )
+        for group in self._param_groups(recurse=False):
+            group.gradient_divide_factor = float(factor)
+
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """Deprecated name of :meth:`set_gradient_divide_factor` (as in torch)."""
+        warnings.warn(
+            "set_reduce_scatter_divide_factor is deprecated: use set_gradient_divide_factor.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        self.set_gradient_divide_factor(factor)
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """Asks that collectives reduce with ``ReduceOp.SUM`` only, the scaling
+        done separately (e.g. for zero-copy NCCL). fsdp2 always does so: it sums
+        and divides itself, so this is already the case either way. Accepted
+        for code written for torch's fully_shard. Not recursive."""
+        if not isinstance(enable, bool):
+            raise TypeError(f"set_force_sum_reduction_for_comms takes a bool, got {enable!r}.")
+
+    def set_reduce_scatter_unused_params(
+        self, reduce_scatter_unused_params: bool, *, recurse: bool = True
+    ) -> None:
+        """Reduce-scatters zeros for parameters that got no gradient in a
+        backward, like DDP's ``find_unused_parameters``. Needed when ranks use
+        different parameters (mixture of experts, multimodal inputs): every
+        rank must reduce-scatter the same buffer, or the collectives mismatch.
+
+        Args:
+            reduce_scatter_unused_params: include zero gradients for unused
+                trainable parameters.
+            recurse: apply to every sharded submodule too. (Default: True)
+        """
+        for group in self._param_groups(recurse):
+            group.reduce_scatter_unused_params = reduce_scatter_unused_params
+
+    def set_all_reduce_hook(
+        self, hook: Callable[[torch.Tensor], None], *, stream: torch.Stream | None = None
+    ) -> None:
+        """Calls ``hook(reduce_output)`` on each finished gradient reduction of
+        this module, before the sharded gradients are assigned from it: the
+        averaged reduce-scatter output (FSDP), or the output of the all-reduce
+        across replicas (HSDP). E.g. an all-reduce of your own over a mesh axis
+        that fsdp2 does not know. Not recursive.
+
+        Args:
+            hook: changes the flat output in place; returns None.
+            stream: accelerators, FSDP only: the stream to run the hook on.
+                (Default: None, the current stream)
+        """
+        if not callable(hook):
+            raise TypeError(f"set_all_reduce_hook expects a callable, got {type(hook).__name__}.")
+        state = self._fsdp_state
+        if stream is not None:
+            if state.device.type == "cpu":
+                raise ValueError(
+                    "set_all_reduce_hook(stream=...) needs an accelerator; on CPU the hook runs "
+                    "where the reduction finished. Leave stream=None."
+                )
+            if state.mesh_info.replicate_group is not None:
+                raise ValueError(
+                    "stream cannot be set when using native HSDP: the hook runs after fsdp2's "
+                    "all-reduce across replicas, on its stream."
+                )
+        for group in self._param_groups(recurse=False):
+            group.all_reduce_hook = hook
+            group.all_reduce_hook_stream = stream
+
+    def set_reduce_scatter_max_input_buffers(
+        self, max_input_buffers: int, *, recurse: bool = True
+    ) -> None:
+        """How many reduce-scatters may be in flight at once (1 by default). Each
+        holds an input buffer the size of its group's gradients; more than one
+        lets backward go on while a slow reduce-scatter finishes, for that
+        memory. The largest value set under a root applies to all its groups.
+
+        Args:
+            max_input_buffers: an int >= 1.
+            recurse: apply to every sharded submodule too. (Default: True)
+        """
+        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
+            raise TypeError(
+                f"max_input_buffers must be an int, got {type(max_input_buffers).__name__}"
+            )
+        if max_input_buffers < 1:
+            raise ValueError(f"max_input_buffers must be a positive int, got {max_input_buffers}")
+        for group in self._param_groups(recurse):
+            group.reduce_scatter_max_input_buffers = max_input_buffers
+        ctx = self._fsdp_state.ctx
+        if ctx.states:  # after lazy init: the root's context applies it
+            ctx.reduce_scatter_max_input_buffers = max(
+                g.reduce_scatter_max_input_buffers for g in ctx.groups
+            )
+
+    def set_separate_reduce_scatter_group(
+        self, enable: bool = True, *, recurse: bool = True
+    ) -> None:
+        """Runs gradient reduce-scatters on a process group of their own over the
+        same ranks, so that they progress alongside the all-gathers instead of
+        queueing behind them on one communicator (gloo and NCCL both run one
+        process group's collectives in order). Creates the group: call it on
+        every rank of the shard group, in the same order.
+
+        Args:
+            enable: a separate group (True) or the shard group again (False).
+            recurse: apply to every sharded submodule too. (Default: True)
+        """
+        created: dict[tuple[int, ...], dist.ProcessGroup] = {}  # one per set of ranks
+        for group in self._param_groups(recurse):
+            shard_group = group.mesh_info.shard_group
+            if not enable:
+                group.reduce_scatter_group = shard_group
+                continue
+            ranks = tuple(dist.get_process_group_ranks(shard_group))
+            if ranks not in created:
+                created[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
+            group.reduce_scatter_group = created[ranks]
+
+    # -- communication --------------------------------------------------------
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """Whether backward all-gathers this module's parameters again. Off for a
+        module whose backward never reads them (an embedding: the gradient of a
+        lookup needs only the indices) saves that all-gather; the gradients are
+        reduce-scattered as usual. Not recursive."""
+        for group in self._param_groups(recurse=False):
+            group.unshard_in_backward = unshard_in_backward
+
+    def set_custom_all_gather(self, comm: AllGather) -> None:
+        """All-gathers this module's parameters with ``comm`` (its ``allocate``
+        gives the buffer, its ``__call__`` runs the collective; see
+        custom_comm.py). Not recursive."""
+        check_comm(comm, "set_custom_all_gather")
+        for group in self._param_groups(recurse=False):
+            group.all_gather_comm = comm
+
+    def set_custom_reduce_scatter(self, comm: ReduceScatter) -> None:
+        """Reduce-scatters this module's gradients with ``comm`` (its ``allocate``
+        gives the buffers, its ``__call__`` runs the collective; see
+        custom_comm.py). Not recursive."""
+        check_comm(comm, "set_custom_reduce_scatter")
+        for group in self._param_groups(recurse=False):
+            group.reduce_scatter_comm = comm
+
+    def set_post_optim_event(self, event: torch.Event) -> None:
+        """Accelerators: makes the next forward's first all-gather wait for
+        ``event`` (recorded after the optimizer step), which then applies to
+        the whole model. Call it on the root with a new event every iteration.
+        fsdp2 copies the shards into the all-gather buffer on the current stream,
+        so that copy is ordered after all earlier work on it anyway."""
+        ctx = self._fsdp_state.ctx
+        if not ctx.comm.uses_streams:
+            raise ValueError(
+                "set_post_optim_event needs an accelerator (events and streams); on CPU the "
+                "all-gathers run after the optimizer step in program order."
+            )
+        ctx.comm.post_optim_event = event
+
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
         """``model.to(dtype)``, ``model.double()``...: converts the sharded
         parameters (resharding first, so that the modules hold them) and makes the
@@ -228,3 +405,19 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
         return state._post_forward(module, args, output)
 
     setattr(module, method_name, wrapped)
+
+
+def share_comm_ctx(modules: list[FSDPModule]) -> None:
+    """Makes several roots (e.g. the model chunks of pipeline stages) use one
+    set of communication streams instead of one each, which keeps the memory
+    of their collectives in one place on accelerators."""
+    if not modules:
+        return
+    for module in modules:
+        if not isinstance(module, FSDPModule):
+            raise ValueError(
+                f"share_comm_ctx expects modules passed to fully_shard, got {type(module).__name__}."
+            )
+    shared = modules[0]._fsdp_state.ctx.comm
+    for module in modules[1:]:
+        module._fsdp_state.ctx.comm = shared

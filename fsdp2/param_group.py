@@ -24,6 +24,7 @@ See docs/design.md for the whole picture.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -40,6 +41,7 @@ from .collectives import (
     reduce_scatter,
 )
 from .common import MeshInfo, ShardedState, TrainingState
+from .custom_comm import AllGather, ReduceScatter
 from .param import FSDPParam
 from .private_api import map_tensors, outside_functorch, tensors_in
 
@@ -72,6 +74,18 @@ class FSDPParamGroup:
         self.reshard_after_backward = True
         self.requires_gradient_sync = True
         self.requires_all_reduce = True  # HSDP: across replicas
+        # Set by FSDPModule methods (module.py), each named after its setter.
+        self.unshard_in_backward = True
+        self.reduce_scatter_unused_params = False
+        self.gradient_divide_factor: float | None = None  # None: the ranks averaged over
+        self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
+        self.all_reduce_hook_stream: torch.Stream | None = None
+        self.all_gather_comm: AllGather | None = None  # None: all_gather_single
+        self.reduce_scatter_comm: ReduceScatter | None = None  # None: reduce_scatter_single
+        self.reduce_scatter_max_input_buffers = 1
+        # The shard group's ranks, or a process group of their own for the
+        # reduce-scatter (set_separate_reduce_scatter_group).
+        self.reduce_scatter_group = mesh_info.shard_group
         # SHARDED_POST_FORWARD: this rank's block of every parameter over the
         # small group, flat (post-forward slot of each parameter, in order).
         self._post_forward_shard: torch.Tensor | None = None
@@ -124,6 +138,7 @@ class FSDPParamGroup:
             info.shard_world_size,
             self.ctx.comm,
             self.name,
+            self.all_gather_comm,
         )
 
     def _all_gather_slots(self) -> list[tuple[int, torch.dtype]]:
@@ -252,8 +267,9 @@ class FSDPParamGroup:
         if self.training_state is TrainingState.PRE_BACKWARD:
             return False  # one hook per output tensor: only the first acts
         self.training_state = TrainingState.PRE_BACKWARD
-        self.unshard()  # no-op when resharding after forward is off or it was prefetched
-        self.wait_for_unshard()
+        if self.unshard_in_backward:
+            self.unshard()  # no-op when resharding after forward is off or it was prefetched
+            self.wait_for_unshard()
         if prefetch_previous:
             self._prefetch_previous_in_forward()
         return True
@@ -267,7 +283,11 @@ class FSDPParamGroup:
         if index > 0:
             target = self.ctx.post_forward_order[index - 1]
             if target.training_state is not TrainingState.POST_BACKWARD:
-                target.unshard()
+                target.prefetch_for_backward()
+
+    def prefetch_for_backward(self) -> None:
+        if self.unshard_in_backward:
+            self.unshard()
 
     def post_backward(self) -> None:
         """Reduce-scatters the gradients of this backward (or keeps them, without
@@ -285,38 +305,51 @@ class FSDPParamGroup:
                 grad = fsdp_param.take_unsharded_grad()
                 if (
                     grad is None
-                    and fsdp_param.partial_grad is not None
-                    and self.requires_all_reduce
+                    and fsdp_param.requires_grad
+                    and (
+                        # Unused on this rank, perhaps used on others: every rank must
+                        # reduce-scatter the same buffer (MoE, multimodal models).
+                        self.reduce_scatter_unused_params
+                        # Kept from an earlier backward without all-reduce: it must
+                        # join this reduction even though this backward gave no grad.
+                        or (fsdp_param.partial_grad is not None and self.requires_all_reduce)
+                    )
                 ):
-                    # Kept from an earlier backward without all-reduce: it must
-                    # join this reduction even though this backward gave no grad.
                     grad = fsdp_param.zero_unsharded_grad()
                 if grad is not None:
                     reduced.append(fsdp_param)
                     grads.append(grad)
             if self.reshard_after_backward:
                 self.reshard()
-            # At most one reduce-scatter in flight: its input buffer is the size
-            # of a whole group's gradients.
-            self.ctx.finish_reduce_scatter()
+            # Each reduce-scatter in flight holds an input buffer the size of its
+            # group's gradients: at most reduce_scatter_max_input_buffers of them.
+            self.ctx.make_room_for_reduce_scatter()
             if grads:
                 info = self.mesh_info
                 if (check := self.ctx.order_check) is not None:
                     numel = sum(p.padded_shard_numel for p in reduced) * info.shard_world_size
-                    check.before_collective("reduce-scatter", self, info.shard_group, numel)
+                    check.before_collective(
+                        "reduce-scatter", self, self.reduce_scatter_group, numel
+                    )
                     check.record("reduce-scatter", self, in_training=True)
                 logger.debug("%s: reduce-scatter issued for %d grads", self.name, len(grads))
-                self.ctx.reduce_scatter_in_flight = (
-                    self,
-                    reduce_scatter(
-                        reduced,
-                        grads,
-                        info.shard_group,
-                        info.shard_world_size,
-                        info.shard_world_size * info.replicate_world_size,
-                        self.ctx.comm,
-                        self.name,
-                    ),
+                divisor = self.gradient_divide_factor or (
+                    info.shard_world_size * info.replicate_world_size
+                )
+                self.ctx.reduce_scatters_in_flight.append(
+                    (
+                        self,
+                        reduce_scatter(
+                            reduced,
+                            grads,
+                            self.reduce_scatter_group,
+                            info.shard_world_size,
+                            divisor,
+                            self.ctx.comm,
+                            self.name,
+                            self.reduce_scatter_comm,
+                        ),
+                    )
                 )
 
     def keep_partial_grads(self, reduced: ReduceInFlight) -> None:

@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import logging
 import os
+from collections import deque
 from typing import Any
 
 import torch
 import torch.nn as nn
 
-from .collectives import ReduceInFlight, all_reduce, assign_sharded_grads
+from .collectives import ReduceInFlight, all_reduce, assign_sharded_grads, average
 from .comm import CommContext
 from .common import MeshInfo, ShardedState
 from .order import ExecutionOrderCheck
@@ -58,9 +59,12 @@ class RootContext:
         self.pre_forward_order: list[FSDPParamGroup] = []
         self.next_in_forward: dict[FSDPParamGroup, FSDPParamGroup] = {}
         self.forward_started: set[FSDPParamGroup] = set()
-        # Gradient reduction, at most one group per stage in flight (see finish_reduce_scatter).
-        self.reduce_scatter_in_flight: tuple[FSDPParamGroup, ReduceInFlight] | None = None
-        self.all_reduce_in_flight: ReduceInFlight | None = None
+        # Gradient reduction in flight, oldest first (see make_room_for_reduce_scatter):
+        # up to reduce_scatter_max_input_buffers reduce-scatters, one all-reduce.
+        self.reduce_scatters_in_flight: deque[tuple[FSDPParamGroup, ReduceInFlight]] = deque()
+        self.all_reduce_in_flight: tuple[FSDPParamGroup, ReduceInFlight] | None = None
+        # The largest of the groups' set_reduce_scatter_max_input_buffers (at lazy init).
+        self.reduce_scatter_max_input_buffers = 1
         self.forward_root: FSDPState | None = None  # the state whose forward is running outermost
         self.final_callback_queued = False
         # False: the end of this backward leaves its last reduce-scatter in flight
@@ -84,16 +88,15 @@ class RootContext:
         an exception interrupted forward or backward."""
         for group in self.groups:
             group.reset()
-        in_flight = [self.all_reduce_in_flight]
-        if self.reduce_scatter_in_flight is not None:
-            in_flight.append(self.reduce_scatter_in_flight[1])
-        for reduced in in_flight:
-            if reduced is not None:
-                try:
-                    reduced.wait()
-                except RuntimeError:
-                    logger.warning("fsdp2: dropping a failed gradient reduction while resetting")
-        self.reduce_scatter_in_flight = None
+        in_flight = list(self.reduce_scatters_in_flight)
+        if self.all_reduce_in_flight is not None:
+            in_flight.append(self.all_reduce_in_flight)
+        for _, reduced in in_flight:
+            try:
+                reduced.wait()
+            except RuntimeError:
+                logger.warning("fsdp2: dropping a failed gradient reduction while resetting")
+        self.reduce_scatters_in_flight.clear()
         self.all_reduce_in_flight = None
         for state in self.states:
             state.modules_to_run.clear()
@@ -105,22 +108,33 @@ class RootContext:
         if self.order_check is not None:
             self.order_check.discard_iteration()
 
-    def finish_reduce_scatter(self) -> None:
-        """Waits for the reduce-scatter in flight, then assigns its gradients, or
-        (HSDP) starts their all-reduce across replicas, or keeps them for a later
-        one (``set_requires_all_reduce(False)``).
+    @property
+    def reduce_scatter_in_flight(self) -> bool:
+        return bool(self.reduce_scatters_in_flight)
 
-        One reduction per stage is in flight: a group's reduce-scatter overlaps the
-        next group's backward, its all-reduce the one after.
-        """
-        if self.reduce_scatter_in_flight is None:
-            return
-        group, reduced = self.reduce_scatter_in_flight
-        self.reduce_scatter_in_flight = None
+    def make_room_for_reduce_scatter(self) -> None:
+        """Finishes the oldest reduce-scatters in flight until another may start
+        (``set_reduce_scatter_max_input_buffers``, 1 by default): each holds an
+        input buffer the size of its group's gradients. One in flight already
+        overlaps a group's reduction with the next group's backward; more help
+        only when the reduce-scatters are slower than the backward."""
+        while len(self.reduce_scatters_in_flight) >= self.reduce_scatter_max_input_buffers:
+            self._finish_oldest_reduce_scatter()
+
+    def finish_reduce_scatters(self) -> None:
+        while self.reduce_scatters_in_flight:
+            self._finish_oldest_reduce_scatter()
+
+    def _finish_oldest_reduce_scatter(self) -> None:
+        """Waits for the oldest reduce-scatter, then assigns its gradients, or
+        (HSDP) starts their all-reduce across replicas, or keeps them for a later
+        one (``set_requires_all_reduce(False)``). One all-reduce is in flight:
+        starting the next finishes the previous."""
+        group, reduced = self.reduce_scatters_in_flight.popleft()
         reduced.wait()
         replicate_group = group.mesh_info.replicate_group
         if replicate_group is None:
-            assign_sharded_grads(reduced)
+            self._assign(group, reduced)
         elif not group.requires_all_reduce:
             group.keep_partial_grads(reduced)
         else:
@@ -130,13 +144,25 @@ class RootContext:
                 numel = reduced.output.numel()
                 check.before_collective("all-reduce", group, replicate_group, numel)
                 check.record("all-reduce", group, in_training=True)
-            self.all_reduce_in_flight = all_reduce(reduced, replicate_group, self.comm, group.name)
+            self.all_reduce_in_flight = (
+                group,
+                all_reduce(reduced, replicate_group, self.comm, group.name),
+            )
 
     def finish_all_reduce(self) -> None:
         if self.all_reduce_in_flight is not None:
-            self.all_reduce_in_flight.wait()
-            assign_sharded_grads(self.all_reduce_in_flight)
+            group, reduced = self.all_reduce_in_flight
             self.all_reduce_in_flight = None
+            reduced.wait()
+            self._assign(group, reduced)
+
+    def _assign(self, group: FSDPParamGroup, reduced: ReduceInFlight) -> None:
+        """Averages a finished reduction, runs the group's all-reduce hook on it
+        (``set_all_reduce_hook``) and accumulates the sharded gradients."""
+        average(reduced)
+        if group.all_reduce_hook is not None:
+            self.comm.run_hook(group.all_reduce_hook, reduced.output, group.all_reduce_hook_stream)
+        assign_sharded_grads(reduced)
 
     def start_forward(self) -> None:
         """A new iteration's forward begins (the outermost forward pre-hook).
@@ -184,7 +210,7 @@ class RootContext:
                     group.reshard()
                 group.cancel_unshard()
             if self.is_last_backward:
-                self.finish_reduce_scatter()
+                self.finish_reduce_scatters()
                 self.finish_all_reduce()
             for state in self.states:
                 if state.param_group is not None:
@@ -307,6 +333,9 @@ class FSDPState:
             self.param_group.reshard_after_forward = False
         detail = os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL"
         ctx.enable_order_check(ctx.check_execution_order or detail)
+        ctx.reduce_scatter_max_input_buffers = max(
+            (g.reduce_scatter_max_input_buffers for g in ctx.groups), default=1
+        )
         logger.debug("lazy init: root %s with %d groups", self.module_names, len(ctx.groups))
 
     # -- forward ----------------------------------------------------------
@@ -396,7 +425,7 @@ class FSDPState:
         if group.pre_backward(prefetch_previous=not explicit) and explicit:
             for target in self.backward_prefetch:
                 if target.param_group is not None:
-                    target.param_group.unshard()
+                    target.param_group.prefetch_for_backward()
 
 
 def _name_from_root(group: FSDPParamGroup, paths: list[str], module_paths: dict[int, str]) -> None:

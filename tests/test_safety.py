@@ -570,7 +570,7 @@ def _check_idle_and_sharded(model: nn.Module, *, storage: bool = True) -> None:
         assert not _has_grads(group), f"{where}: gradients left"
         for p in group.fsdp_params:
             assert not storage or p.unsharded_storage_bytes == 0, f"{p} holds unsharded storage"
-    assert model._fsdp_state.ctx.reduce_scatter_in_flight is None, "reduce-scatter in flight"
+    assert not model._fsdp_state.ctx.reduce_scatter_in_flight, "reduce-scatter in flight"
     for name, param in model.named_parameters():
         assert isinstance(param, DTensor), f"{name} is a {type(param).__name__}"
         assert param.grad is None, f"{name} has a gradient"
@@ -587,7 +587,7 @@ def _check_left_over(model: nn.Module, phase: str, block: int) -> None:
         return
     assert groups[f"layers.{block}"].training_state is TrainingState.PRE_BACKWARD
     # The block after it in forward was reduce-scattered: still in flight.
-    assert model._fsdp_state.ctx.reduce_scatter_in_flight is not None
+    assert model._fsdp_state.ctx.reduce_scatter_in_flight
     if block == 1:
         # Its pre-backward prefetched layers.0.
         assert groups["layers.0"].all_gather_in_flight

@@ -24,7 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from fsdp2 import MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from fsdp2.collectives import all_gather, assign_sharded_grads, copy_out, reduce_scatter
+from fsdp2.collectives import all_gather, assign_sharded_grads, average, copy_out, reduce_scatter
 from fsdp2.comm import InFlight
 from fsdp2.common import MeshInfo, chunk_rows
 from fsdp2.param import FSDPParam
@@ -297,6 +297,7 @@ def test_reduce_scatter_gives_each_rank_its_chunk_of_the_mean(
         ]
     if world_size == 1:  # a world of one rank exchanges nothing: the input is the output
         assert calls == []
+        average(results[0])
         assign_sharded_grads(results[0])
     else:
         assert [group for _, _, group in calls] == [mesh.get_group(0)] * world_size
@@ -307,6 +308,7 @@ def test_reduce_scatter_gives_each_rank_its_chunk_of_the_mean(
             for input in inputs[1:]:
                 total += input[rank]
             output.copy_(total)
+            average(results[rank])
             assign_sharded_grads(results[rank])
 
     for i, orig in enumerate(origs):
@@ -338,6 +340,7 @@ def test_reduce_scatter_with_zero_row_gradient(meshes: dict[int, DeviceMesh]) ->
         result = reduce_scatter(params, grads, mesh.get_group(0), 4, 4, SyncComm())  # type: ignore[arg-type]
     output, input, _ = calls[0]
     output.copy_(input.view(4, -1)[0] * 4)  # every rank sent the same gradients
+    average(result)
     assign_sharded_grads(result)
     assert params[0].sharded_param.grad.to_local().shape == (0, 3)
     assert torch.equal(params[1].sharded_param.grad.to_local(), grads[1][:2])
@@ -401,6 +404,7 @@ def test_replicated_gradients_follow_the_sharded_ones_in_a_world_of_one(
         result = reduce_scatter(params, grads, mesh.get_group(0), 1, 1, SyncComm())  # type: ignore[arg-type]
     assert calls == []
     assert result.output.numel() == 5 * 3 + 4
+    average(result)
     assign_sharded_grads(result)
     for param, grad in zip(params, grads, strict=True):
         assert torch.equal(param.sharded_param.grad.to_local(), grad)
