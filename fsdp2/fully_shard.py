@@ -12,6 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from .common import MeshInfo, ShardedState, device_from_mesh, post_forward_mesh_info
+from .mesh import MeshInfos
 from .module import FSDPModule
 from .param import FSDPParam, ModuleSlot
 from .param_group import FSDPParamGroup
@@ -29,7 +30,7 @@ from .validate import (
     check_policies,
     check_reshard_after_forward,
     resolve_mesh,
-    shard_dims,
+    shard_placements,
 )
 
 # Generated FSDP<Name> classes, one per original class, so that type checks
@@ -112,56 +113,65 @@ def fully_shard(
     mesh = resolve_mesh(mesh)
     check_policies(mp_policy, offload_policy)
     mesh_info = MeshInfo.from_mesh(mesh)
-    reshard_arg = reshard_after_forward
-    reshard_after_forward, post_forward_mesh_info = _resolve_reshard_after_forward(
-        reshard_after_forward, mesh_info
-    )
+    resharding = _resolve_reshard_after_forward(reshard_after_forward, mesh_info)[0]
     device = device_from_mesh(mesh)
     ignored = set(ignored_params or ())
     named_params = [(fqn, p) for fqn, p in _unowned_params(modules) if p not in ignored]
     _check_no_param_shared_with_nested_group(modules)
     check_params(named_params, mesh, device, mp_policy)
-    dims = shard_dims(named_params, shard_placement_fn, mesh_info.shard_world_size)
+    placements = shard_placements(named_params, shard_placement_fn, MeshInfos(mesh_info), device)
     check_min_numel_to_shard(min_numel_to_shard)
+    # After forward: per mesh, resharding (or not) and the smaller group to reshard to.
+    post_forward = {
+        id(info): _resolve_reshard_after_forward(reshard_after_forward, info)
+        for info in {id(info): info for _, info in placements}.values()
+    }
+    extended = [
+        check_all_gather_extension(
+            fqn, param, dim, reshard_after_forward if post_forward[id(info)][1] else None
+        )
+        for (fqn, param), (dim, info) in zip(named_params, placements, strict=True)
+    ]
 
-    state = FSDPState(modules, mesh_info, device, reshard_after_forward, mp_policy)
+    state = FSDPState(modules, mesh_info, device, resharding, mp_policy)
     for nested in _nested_states(modules):
         if nested.parent is None:
             nested.parent = state
-    extended = [
-        check_all_gather_extension(
-            fqn, param, dim, reshard_arg if post_forward_mesh_info is not None else None
-        )
-        for (fqn, param), dim in zip(named_params, dims, strict=True)
-    ]
     if named_params:
         slots = _module_slots(modules, named_params)
-        fsdp_params = [
-            FSDPParam(
-                param,
-                fqn,
-                slots[id(param)],
-                mesh_info,
-                device,
-                mp_policy,
-                offload_policy,
-                shard_dim=dim,
-                # A subclass that all-gathers itself is always sharded.
-                replicated=not extends and _local_numel(param) < min_numel_to_shard,
+        by_mesh: dict[int, list[FSDPParam]] = {}  # [Note: groups of one call]
+        for (fqn, param), (dim, info), extends in zip(
+            named_params, placements, extended, strict=True
+        ):
+            by_mesh.setdefault(id(info), []).append(
+                FSDPParam(
+                    param,
+                    fqn,
+                    slots[id(param)],
+                    info,
+                    device,
+                    mp_policy,
+                    offload_policy,
+                    shard_dim=dim,
+                    # A subclass that all-gathers itself is always sharded.
+                    replicated=not extends and _local_numel(param) < min_numel_to_shard,
+                )
             )
-            for (fqn, param), dim, extends in zip(named_params, dims, extended, strict=True)
-        ]
         _mark_sharded(modules, named_params)
-        state.param_group = FSDPParamGroup(
-            fsdp_params,
-            modules,
-            mesh_info,
-            state.ctx,
-            reshard_after_forward=reshard_after_forward is not False,
-            post_forward_mesh_info=post_forward_mesh_info,
-        )
-        for member in modules:
-            register_state_dict_hooks(member, state.param_group)
+        for fsdp_params in by_mesh.values():
+            info = fsdp_params[0].mesh_info
+            reshard, small_group = post_forward[id(info)]
+            group = FSDPParamGroup(
+                fsdp_params,
+                modules,
+                info,
+                state.ctx,
+                reshard_after_forward=reshard is not False,
+                post_forward_mesh_info=small_group,
+            )
+            state.param_groups.append(group)
+            for member in modules:
+                register_state_dict_hooks(member, group)
     for member in modules:
         member.__dict__["_fsdp_state"] = state
         mark_composable_api(member, "fully_shard")
@@ -181,7 +191,8 @@ fully_shard.state = _state  # type: ignore[attr-defined]
 def _resolve_reshard_after_forward(
     value: bool | int | None, mesh_info: MeshInfo
 ) -> tuple[bool | None, MeshInfo | None]:
-    """Maps the argument to (bool or None, the small group's MeshInfo for an int)."""
+    """Maps the argument to (bool or None, the small group's MeshInfo for an int)
+    on one of the call's meshes."""
     check_reshard_after_forward(value, mesh_info.shard_world_size)
     if value is None or isinstance(value, bool):
         return value, None
@@ -326,9 +337,7 @@ def _check_no_param_shared_with_nested_group(modules: list[nn.Module]) -> None:
     paths = _module_paths(modules)
     owner_of = {}
     for state in nested:
-        if state.param_group is None:
-            continue
-        for fsdp_param in state.param_group.fsdp_params:
+        for fsdp_param in (p for group in state.param_groups for p in group.fsdp_params):
             slot = fsdp_param.slots[0]
             owner = fsdp_param.fqn
             if (path := paths.get(id(slot.module))) is not None:
@@ -369,10 +378,9 @@ def _checked_forward(forward):
     @functools.wraps(forward)
     def checked(self, *args: Any, **kwargs: Any) -> Any:
         state = self.__dict__["_fsdp_state"]
-        group = state.param_group
         in_forward = state.ctx.forward_root is not None or in_backward()  # or recomputing
-        if not in_forward or (
-            group is not None and group.sharded_state is not ShardedState.UNSHARDED
+        if not in_forward or any(
+            group.sharded_state is not ShardedState.UNSHARDED for group in state.param_groups
         ):
             raise RuntimeError(
                 f"fsdp2: {type(self).__name__}.forward ran without fully_shard's hooks, so its "

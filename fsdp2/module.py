@@ -20,20 +20,16 @@ class UnshardHandle:
     """Returned by ``FSDPModule.unshard(async_op=True)``: ``wait()`` makes the
     unsharded parameters usable."""
 
-    def __init__(self, group: FSDPParamGroup | None) -> None:
-        self._group = group
-        # The all-gather this handle is for; None if there was nothing to start.
-        self._all_gather = group._all_gather if group is not None else None
+    def __init__(self, groups: list[FSDPParamGroup]) -> None:
+        # The all-gather each group had in flight when the handle was made.
+        self._all_gathers = [(group, group._all_gather) for group in groups]
 
     def wait(self) -> None:
-        """Idempotent, and a no-op once the module's forward has used the all-gather."""
-        group, self._group = self._group, None
-        if (
-            group is not None
-            and self._all_gather is not None
-            and group._all_gather is self._all_gather
-        ):
-            group.wait_for_unshard()
+        """Idempotent, and a no-op once the module's forward has used the all-gathers."""
+        all_gathers, self._all_gathers = self._all_gathers, []
+        for group, all_gather in all_gathers:
+            if all_gather is not None and group._all_gather is all_gather:
+                group.wait_for_unshard()
 
 
 class FSDPModule:
@@ -61,10 +57,10 @@ class FSDPModule:
         """
         # No lazy init: called on a block before the first forward, that would
         # make the block a root. The group's own context serves until then.
-        group = self._fsdp_state.param_group
-        if group is not None:
+        groups = self._fsdp_state.param_groups
+        for group in groups:
             group.unshard()
-        handle = UnshardHandle(group)
+        handle = UnshardHandle(groups)
         if async_op:
             return handle
         handle.wait()
@@ -72,7 +68,7 @@ class FSDPModule:
 
     def reshard(self) -> None:
         """Frees the unsharded parameters, leaving the sharded ones on the module."""
-        if (group := self._fsdp_state.param_group) is not None:
+        for group in self._fsdp_state.param_groups:
             group.reshard()
 
     def set_reshard_after_forward(
@@ -92,7 +88,7 @@ class FSDPModule:
         for module in self._fsdp_modules(recurse):
             state = module._fsdp_state
             state.reshard_after_forward_arg = reshard_after_forward
-            if (group := state.param_group) is not None:
+            for group in state.param_groups:
                 group.reshard_after_forward = reshard_after_forward
                 if not reshard_after_forward:
                     group.post_forward_mesh_info = None
@@ -254,7 +250,7 @@ class FSDPModule:
                     "stream cannot be set when using native HSDP: the hook runs after fsdp2's "
                     "all-reduce across replicas, on its stream."
                 )
-        for group in self._param_groups(recurse=False):
+        for group in self._only_group("set_all_reduce_hook"):
             group.all_reduce_hook = hook
             group.all_reduce_hook_stream = stream
 
@@ -323,7 +319,7 @@ class FSDPModule:
         gives the buffer, its ``__call__`` runs the collective; see
         custom_comm.py). Not recursive."""
         check_comm(comm, "set_custom_all_gather")
-        for group in self._param_groups(recurse=False):
+        for group in self._only_group("set_custom_all_gather"):
             group.all_gather_comm = comm
 
     def set_custom_reduce_scatter(self, comm: ReduceScatter) -> None:
@@ -331,7 +327,7 @@ class FSDPModule:
         gives the buffers, its ``__call__`` runs the collective; see
         custom_comm.py). Not recursive."""
         check_comm(comm, "set_custom_reduce_scatter")
-        for group in self._param_groups(recurse=False):
+        for group in self._only_group("set_custom_reduce_scatter"):
             group.reduce_scatter_comm = comm
 
     def set_post_optim_event(self, event: torch.Event) -> None:
@@ -352,17 +348,27 @@ class FSDPModule:
         """``model.to(dtype)``, ``model.double()``...: converts the sharded
         parameters (resharding first, so that the modules hold them) and makes the
         group follow their new dtype."""
-        group = self._fsdp_state.param_group
-        if group is not None:
+        groups = self._fsdp_state.param_groups
+        for group in groups:
             group.reshard()
         result = super()._apply(*args, **kwargs)  # type: ignore[misc]
-        if group is not None:
+        for group in groups:
             group.reset_sharded_params()
         return result
 
     def _param_groups(self, recurse: bool) -> list[FSDPParamGroup]:
-        groups = (m._fsdp_state.param_group for m in self._fsdp_modules(recurse))
-        return [g for g in groups if g is not None]
+        return [g for m in self._fsdp_modules(recurse) for g in m._fsdp_state.param_groups]
+
+    def _only_group(self, method: str) -> list[FSDPParamGroup]:
+        """This module's group, for settings that name one collective or hook."""
+        groups = self._param_groups(recurse=False)
+        if len(groups) > 1:
+            raise ValueError(
+                f"{method} is not supported for a module whose parameters are sharded over "
+                f"{len(groups)} meshes (shard_placement_fn's ShardPlacementResult): one "
+                "collective or hook would serve groups of different process groups."
+            )
+        return groups
 
     def _fsdp_modules(self, recurse: bool) -> list[FSDPModule]:
         if not recurse:

@@ -75,7 +75,7 @@ class RootContext:
 
     @property
     def groups(self) -> list[FSDPParamGroup]:
-        return [s.param_group for s in self.states if s.param_group is not None]
+        return [g for s in self.states for g in s.param_groups]
 
     def enable_order_check(self, enabled: bool) -> None:
         self.check_execution_order = enabled
@@ -185,7 +185,8 @@ class RootContext:
         for state in reversed(self.states):  # innermost first, as post-hooks unwind
             if state is not forward_root and state.modules_to_run:
                 state.modules_to_run.clear()
-                state.param_group.post_forward()
+                for group in state.param_groups:
+                    group.post_forward()
 
     def queue_final_callback(self) -> None:
         """Once per backward: run :meth:`_final_callback` when the engine is done."""
@@ -200,21 +201,18 @@ class RootContext:
             for state in reversed(self.states):
                 # Empty unless a forward was left open: the outermost forward closes them.
                 state.modules_to_run.clear()
-                group = state.param_group
-                if group is None:
-                    continue
-                if group.needs_post_backward:
-                    group.post_backward()
-                elif group.reshard_after_backward:
-                    # Unsharded again after its post-backward, for a recomputation.
-                    group.reshard()
-                group.cancel_unshard()
+                for group in reversed(state.param_groups):
+                    if group.needs_post_backward:
+                        group.post_backward()
+                    elif group.reshard_after_backward:
+                        # Unsharded again after its post-backward, for a recomputation.
+                        group.reshard()
+                    group.cancel_unshard()
             if self.is_last_backward:
                 self.finish_reduce_scatters()
                 self.finish_all_reduce()
-            for state in self.states:
-                if state.param_group is not None:
-                    state.param_group.finalize_backward()
+            for group in self.groups:
+                group.finalize_backward()
             self.post_forward_order.clear()
             if self.order_check is not None:
                 self.order_check.end_iteration()
@@ -259,7 +257,10 @@ class FSDPState:
         # None: resharding after forward is decided at lazy init (off for the root).
         self.reshard_after_forward_arg = reshard_after_forward
         self.ctx = RootContext(device)
-        self.param_group: FSDPParamGroup | None = None
+        # One per mesh the call's parameters are sharded over (usually one;
+        # shard_placement_fn may put some on another, e.g. MoE experts); none if
+        # the modules have no parameters of their own.
+        self.param_groups: list[FSDPParamGroup] = []
         self.is_root: bool | None = None  # decided at lazy init
         # The state of the closest enclosing fully_shard call, once there is one.
         self.parent: FSDPState | None = None
@@ -321,16 +322,17 @@ class FSDPState:
                 _check_root_only_settings(state, name)
             ctx.states.append(state)
             state.ctx = ctx
-            if state.param_group is not None:
-                state.param_group.ctx = ctx
+            for group in state.param_groups:
+                group.ctx = ctx
         module_paths = {id(m): name for name, m in root_module.named_modules()}
         for state, names in paths.items():
-            if state.param_group is not None:
-                _name_from_root(state.param_group, names, module_paths)
+            for i, group in enumerate(state.param_groups):
+                _name_from_root(group, names, module_paths, i)
         _check_materialized(ctx.groups)
-        if self.param_group is not None and self.reshard_after_forward_arg is None:
+        if self.reshard_after_forward_arg is None:
             # The root's parameters are needed again first thing in backward.
-            self.param_group.reshard_after_forward = False
+            for group in self.param_groups:
+                group.reshard_after_forward = False
         detail = os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL"
         ctx.enable_order_check(ctx.check_execution_order or detail)
         ctx.reduce_scatter_max_input_buffers = max(
@@ -348,7 +350,7 @@ class FSDPState:
             # A forward recomputed inside backward (activation checkpointing): only
             # the parameters and the input casts of forward are needed. (Recomputation
             # may stop early, without the post-hook: nothing here must need it.)
-            if (group := self.param_group) is not None:
+            for group in self.param_groups:
                 group.unshard_for_recomputation()
             return self._cast_inputs(args, kwargs)
         if self.ctx.forward_root is None:
@@ -359,25 +361,27 @@ class FSDPState:
                     (args, kwargs), lambda t: t.to(self.device, non_blocking=True)
                 )
         args, kwargs = self._cast_inputs(args, kwargs)
-        group = self.param_group
-        if group is None:
+        if not self.param_groups:
             return args, kwargs
-        args, kwargs = group.pre_forward(args, kwargs)
+        for group in self.param_groups:  # all-gathers started together, then waited
+            group.unshard()
+        for group in self.param_groups:
+            args, kwargs = group.pre_forward(args, kwargs)
         if self.modules_to_run:
             return args, kwargs  # a further module of the group's forward in progress
         self.modules_to_run.update(self.modules)
-        self.ctx.pre_forward_order.append(group)
-        self.ctx.forward_started.add(group)
+        self.ctx.pre_forward_order += self.param_groups
+        self.ctx.forward_started.update(self.param_groups)
         if self.forward_prefetch is None:
             # Implicit: the group that ran next last iteration (see [Note: forward prefetch]),
             # unless it already ran in this forward (the order changed).
-            target = self.ctx.next_in_forward.get(group)
+            target = self.ctx.next_in_forward.get(self.param_groups[-1])
             if target is not None and target not in self.ctx.forward_started:
                 target.unshard()
         else:
             for state in self.forward_prefetch:
-                if state.param_group is not None:
-                    state.param_group.unshard()
+                for target in state.param_groups:
+                    target.unshard()
         return args, kwargs
 
     def _cast_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -393,16 +397,16 @@ class FSDPState:
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         if in_backward():  # recomputation: the group reshards after its backward
             return self._cast_output(output)
-        group = self.param_group
         is_forward_root = self.ctx.forward_root is self
         if is_forward_root:
             self.ctx.finish_partial_forwards(self)
-        if group is not None:
+        if self.param_groups:
             self.modules_to_run.discard(module)
             if is_forward_root:
                 self.modules_to_run.clear()  # its other modules did not run
             if not self.modules_to_run:
-                group.post_forward()
+                for group in self.param_groups:
+                    group.post_forward()
         if torch.is_grad_enabled():
             _register_tensor_hooks(output, self._pre_backward)
         if is_forward_root:
@@ -418,20 +422,25 @@ class FSDPState:
 
     def _pre_backward(self, grad: torch.Tensor) -> None:
         self.ctx.queue_final_callback()
-        group = self.param_group
-        if group is None:
-            return
         explicit = bool(self.backward_prefetch)
-        if group.pre_backward(prefetch_previous=not explicit) and explicit:
+        started = [
+            group.pre_backward(prefetch_previous=not explicit) for group in self.param_groups
+        ]
+        if any(started) and explicit:
             for target in self.backward_prefetch:
-                if target.param_group is not None:
-                    target.param_group.prefetch_for_backward()
+                for group in target.param_groups:
+                    group.prefetch_for_backward()
 
 
-def _name_from_root(group: FSDPParamGroup, paths: list[str], module_paths: dict[int, str]) -> None:
-    """Names a group and its parameters by their paths from the root (lazy init)."""
+def _name_from_root(
+    group: FSDPParamGroup, paths: list[str], module_paths: dict[int, str], index: int
+) -> None:
+    """Names a group and its parameters by their paths from the root (lazy init);
+    a call's further groups (on other meshes) get their mesh's shape too."""
     group.fqn = ", ".join(paths)
     group.name = group.fqn or "(root)"
+    if index > 0:
+        group.name += f" [mesh {tuple(group.mesh_info.mesh.shape)}, #{index}]"
     for fsdp_param in group.fsdp_params:
         if len(group.modules) == 1:
             fsdp_param.fqn = f"{paths[0]}.{fsdp_param.fqn}" if paths[0] else fsdp_param.fqn

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 import torch.nn as nn
 
+from .param_group import FSDPParamGroup
 from .state import FSDPState, get_fsdp_state
 
 
@@ -40,11 +41,13 @@ def summary(model: nn.Module, *, print_table: bool = True) -> list[GroupSummary]
     paths: dict[FSDPState, list[str]] = {}  # module paths of each state; a list's has several
     for path, module in model.named_modules():
         state = get_fsdp_state(module)
-        if state is not None and state.param_group is not None:
+        if state is not None and state.param_groups:
             paths.setdefault(state, []).append(path)
     rows = []
-    for state, state_paths in paths.items():
-        group = state.param_group
+    groups = [
+        (state, state_paths, g) for state, state_paths in paths.items() for g in state.param_groups
+    ]
+    for state, state_paths, group in groups:
         params = group.fsdp_params
         world_size = group.mesh_info.shard_world_size
         # Replicated parameters (min_numel_to_shard) are whole, never padded.
@@ -66,7 +69,7 @@ def summary(model: nn.Module, *, print_table: bool = True) -> list[GroupSummary]
                 # Distinct ones: TP, shard_placement_fn and replication mix them.
                 placements=" | ".join(dict.fromkeys(str(p.placements) for p in params)),
                 mesh=f"{tuple(group.mesh_info.mesh.shape)} {group.mesh_info.mesh.device_type}",
-                reshard_after_forward=_reshard_policy(state, is_root=model in state.modules),
+                reshard_after_forward=_reshard_policy(state, group, is_root=model in state.modules),
                 param_dtype=" | ".join(param_dtypes),
                 reduce_dtype=str(params[0].reduce_dtype).removeprefix("torch."),
             )
@@ -76,8 +79,7 @@ def summary(model: nn.Module, *, print_table: bool = True) -> list[GroupSummary]
     return rows
 
 
-def _reshard_policy(state, is_root: bool) -> str:
-    group = state.param_group
+def _reshard_policy(state: FSDPState, group: FSDPParamGroup, is_root: bool) -> str:
     if group.post_forward_mesh_info is not None:
         return f"to {group.post_forward_mesh_info.shard_world_size} ranks"
     if state.is_root is None and state.reshard_after_forward_arg is None:

@@ -8,7 +8,9 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from .common import MeshInfo
 from .extension import POST_ALL_GATHER, PRE_ALL_GATHER
+from .mesh import MeshInfos, ShardPlacementResult
 from .policy import MixedPrecisionPolicy, OffloadPolicy
 from .private_api import concatenate_meshes
 
@@ -237,30 +239,47 @@ def _check_tp_param(fqn: str, param: DTensor, mesh: DeviceMesh) -> None:
     concatenate_meshes(mesh, param.device_mesh)  # raises ValueError with the recipe
 
 
-def shard_dims(
+def shard_placements(
     named_params: list[tuple[str, nn.Parameter]],
-    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None,
-    world_size: int,
-) -> list[int]:
-    """The dim each parameter is sharded on: ``shard_placement_fn``'s ``Shard(dim)``
-    (negative dims counted from the end), or 0 where it returns None."""
+    shard_placement_fn: Callable[[nn.Parameter], object] | None,
+    meshes: MeshInfos,
+    device: torch.device,
+) -> list[tuple[int, MeshInfo]]:
+    """The dim each parameter is sharded on (negative dims counted from the end)
+    and the mesh: ``shard_placement_fn``'s ``Shard(dim)`` or
+    ``ShardPlacementResult``, or dim 0 of the call's mesh where it returns None."""
     if shard_placement_fn is None:
-        return [0] * len(named_params)
+        return [(0, meshes.default)] * len(named_params)
     if not callable(shard_placement_fn):
         raise TypeError(
-            "shard_placement_fn must be a function param -> Shard(dim) | None, got "
-            f"{type(shard_placement_fn).__name__}."
+            "shard_placement_fn must be a function param -> Shard(dim) | ShardPlacementResult "
+            f"| None, got {type(shard_placement_fn).__name__}."
         )
-    dims = []
+    placements = []
     for fqn, param in named_params:
-        placement = shard_placement_fn(param)
+        result = shard_placement_fn(param)
+        placement, mesh_info = result, meshes.default
+        if isinstance(result, ShardPlacementResult) or hasattr(result, "mesh_info"):
+            placement = result.placement
+            # torch's ShardPlacementResult holds its FSDPMeshInfo, which has the mesh.
+            mesh = (
+                result.mesh if isinstance(result, ShardPlacementResult) else result.mesh_info.mesh
+            )
+            mesh = resolve_mesh(mesh)
+            if mesh.device_type != device.type:
+                raise ValueError(
+                    f"shard_placement_fn put {fqn!r} on a {mesh.device_type} mesh, but "
+                    f"fully_shard's mesh is on {device.type}. Use one device type."
+                )
+            mesh_info = meshes.of(mesh)
         if placement is None:
-            dims.append(0)
+            placements.append((0, mesh_info))
             continue
         if type(placement) is not Shard:
             raise TypeError(
-                f"shard_placement_fn returned {placement!r} for {fqn!r}; it must return "
-                "torch.distributed.tensor.Shard(dim) or None (for Shard(0))."
+                f"shard_placement_fn returned {result!r} for {fqn!r}; it must return "
+                "torch.distributed.tensor.Shard(dim), fsdp2.ShardPlacementResult(placement, "
+                "mesh) or None (for Shard(0) on fully_shard's mesh)."
             )
         ndim = param.dim()
         dim = placement.dim + ndim if placement.dim < 0 else placement.dim
@@ -272,6 +291,7 @@ def shard_dims(
                 f"Return a dim in [{-ndim}, {ndim})."
             )
         size = (param.to_local() if isinstance(param, DTensor) else param).size(dim)
+        world_size = mesh_info.shard_world_size
         if dim > 0 and size % world_size:
             raise NotImplementedError(
                 f"FSDP does not support uneven sharding on dim {dim}: {fqn!r} has size {size} "
@@ -279,8 +299,8 @@ def shard_dims(
                 f"{world_size} ranks. Only dim 0 may be uneven: shard it on a dim whose size "
                 f"{world_size} divides, or on dim 0."
             )
-        dims.append(dim)
-    return dims
+        placements.append((dim, mesh_info))
+    return placements
 
 
 def check_min_numel_to_shard(value: object) -> None:

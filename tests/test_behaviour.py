@@ -77,17 +77,17 @@ def count_collectives() -> Iterator[CollectiveCounts]:
 
 def _groups(model: nn.Module) -> Iterator[fsdp2.FSDPModule]:
     """FSDP modules that own parameters (an MLP root owns none)."""
-    return (m for m in fsdp_modules(model) if m._fsdp_state.param_group is not None)
+    return (m for m in fsdp_modules(model) if m._fsdp_state.param_groups)
 
 
 def _is_unsharded(module: fsdp2.FSDPModule) -> bool:
-    group = module._fsdp_state.param_group
+    group = module._fsdp_state.param_groups[0]
     return group.sharded_state is ShardedState.UNSHARDED or group.all_gather_in_flight
 
 
 def _check_all_resharded(model: nn.Module, when: str) -> None:
     for module in _groups(model):
-        group = module._fsdp_state.param_group
+        group = module._fsdp_state.param_groups[0]
         name = f"{type(module).__name__} (group {group.fqn!r})"
         assert group.sharded_state is ShardedState.SHARDED, (
             f"{when}: {name} is {group.sharded_state.name}, not SHARDED"

@@ -63,9 +63,9 @@ def _train(rank: int, world_size: int, mesh, kind: str, **kwargs) -> None:
     # moves only its sharded parameters (each call: world size * padded slots).
     shard_world = mesh.size(mesh.ndim - 1)
     for state in (m._fsdp_state for m in model.modules() if isinstance(m, fsdp2.FSDPModule)):
-        group = state.param_group
-        if group is None:  # the MLP's root owns no parameters
+        if not state.param_groups:  # the MLP's root owns no parameters
             continue
+        group = state.param_groups[0]
         name = group.name
         sharded = [p for p in group.fsdp_params if p.sharded_param.placements[-1] != Replicate()]
         gathered = sum(p.padded_shard_numel for p in sharded) * shard_world * 4

@@ -135,8 +135,9 @@ def _train_with_clipping(
     norm_type: float,
     foreach: bool | None,
     max_norm: float,
+    shard=_shard,
 ) -> None:
-    ref, model = _build(), _shard(_build(), *meshes)
+    ref, model = _build(), shard(_build(), *meshes)
     _check_layout(model, *meshes)
     optims = make_optimizer(ref), make_optimizer(model)
     for step in range(STEPS):
@@ -191,6 +192,36 @@ def _nonfinite_and_partial(
         fsdp2.clip_grad_norm_([partial], 1.0)
 
 
+class _UnusedAllGather(fsdp2.AllGather):
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        raise AssertionError("refused before it is ever called")
+
+
+def _shard_in_one_call(model: TinyMoE, dense_mesh: DeviceMesh, expert_mesh: DeviceMesh) -> TinyMoE:
+    """The experts on their own mesh inside the root's one fully_shard call."""
+    experts = {id(p) for p in model.experts.parameters()}
+
+    def placement(param: nn.Parameter) -> fsdp2.ShardPlacementResult | None:
+        return fsdp2.ShardPlacementResult(None, expert_mesh) if id(param) in experts else None
+
+    fsdp2.fully_shard(model, mesh=dense_mesh, shard_placement_fn=placement)
+    return model
+
+
+def _one_call_two_meshes(rank: int, world_size: int, meshes: tuple[DeviceMesh, DeviceMesh]) -> None:
+    model = _shard_in_one_call(_build(), *meshes)
+    groups = model._fsdp_state.param_groups
+    assert [g.mesh_info.mesh for g in groups] == list(meshes), "one group per mesh, dense first"
+    rows = fsdp2.summary(model, print_table=False)
+    assert [r.num_params for r in rows] == [6, 8], rows  # dense_in, gate, head; 2 experts
+    with pytest.raises(ValueError, match="sharded over 2 meshes"):
+        model.set_custom_all_gather(_UnusedAllGather())
+    _train_with_clipping(rank, world_size, meshes, 2.0, None, 0.05, shard=_shard_in_one_call)
+
+
 def _mixed_meshes(rank: int, world_size: int) -> None:
     meshes = _meshes()
     for norm_type, foreach, max_norm in CLIP_CASES:
@@ -198,6 +229,8 @@ def _mixed_meshes(rank: int, world_size: int) -> None:
             _train_with_clipping(rank, world_size, meshes, norm_type, foreach, max_norm)
     with labelled("non-finite norm, Partial grad, torch's clip_grad_norm_"):
         _nonfinite_and_partial(rank, world_size, meshes)
+    with labelled("both meshes in one fully_shard call (ShardPlacementResult)"):
+        _one_call_two_meshes(rank, world_size, meshes)
 
 
 @pytest.mark.distributed
@@ -209,7 +242,9 @@ def test_moe_mixed_meshes_parity_and_clipping(tmp_path: Path) -> None:
     every rank, equal (1e-5 relative) to torch's norm of the reference, for the
     2-, 1- and inf-norms with and without foreach, also where some ranks hold
     empty shards. A NaN on one rank fails error_if_nonfinite on every rank; a
-    Partial grad is refused; torch's clip_grad_norm_ raises on mixed meshes."""
+    Partial grad is refused; torch's clip_grad_norm_ raises on mixed meshes.
+    The same with both meshes in the root's one fully_shard call, the experts
+    placed by a ShardPlacementResult: one group per mesh, same numbers."""
     run_ranks(_mixed_meshes, WORLD_SIZE, tmp_path)
 
 

@@ -102,7 +102,9 @@ def _divide_factor(rank: int, world_size: int) -> None:
             optim.zero_grad()
     with pytest.warns(DeprecationWarning, match="set_gradient_divide_factor"):
         model.set_reduce_scatter_divide_factor(2.0)
-    assert model.layers[0]._fsdp_state.param_group.gradient_divide_factor == 1.0  # not recursive
+    assert (
+        model.layers[0]._fsdp_state.param_groups[0].gradient_divide_factor == 1.0
+    )  # not recursive
     for bad in (0, -1.0, True, "2"):
         with pytest.raises(ValueError, match="positive number"):
             model.layers[0].set_gradient_divide_factor(bad)
@@ -335,7 +337,7 @@ def _in_flight_and_groups(rank: int, world_size: int) -> None:
         groups = {id(group) for _, group in calls}
         assert len(groups) == 2, "the default model's group and the separate one"
         shard_group = separate.layers[0]._fsdp_state.mesh_info.shard_group
-        rs_group = separate.layers[0]._fsdp_state.param_group.reduce_scatter_group
+        rs_group = separate.layers[0]._fsdp_state.param_groups[0].reduce_scatter_group
         assert rs_group is not shard_group
         assert dist.get_process_group_ranks(rs_group) == dist.get_process_group_ranks(shard_group)
     with labelled("share_comm_ctx"):

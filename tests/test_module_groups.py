@@ -143,14 +143,13 @@ def check_resharded(module: FSDPModule, when: str) -> None:
     its forward is not left open."""
     state = module._fsdp_state
     assert not state.modules_to_run, f"{when}: {state.modules_to_run} left to run"
-    if (group := state.param_group) is None:
-        return
-    assert group.sharded_state is ShardedState.SHARDED, (
-        f"{when}: group {group.name!r} is {group.sharded_state.name}"
-    )
-    assert not group.all_gather_in_flight, f"{when}: group {group.name!r} all-gathering"
-    for fsdp_param in group.fsdp_params:
-        assert fsdp_param.unsharded_storage_bytes == 0, f"{when}: {fsdp_param} unsharded"
+    for group in state.param_groups:
+        assert group.sharded_state is ShardedState.SHARDED, (
+            f"{when}: group {group.name!r} is {group.sharded_state.name}"
+        )
+        assert not group.all_gather_in_flight, f"{when}: group {group.name!r} all-gathering"
+        for fsdp_param in group.fsdp_params:
+            assert fsdp_param.unsharded_storage_bytes == 0, f"{when}: {fsdp_param} unsharded"
 
 
 def check_all_resharded(model: nn.Module, when: str) -> None:
@@ -189,7 +188,7 @@ def _train_against_reference(
     shard_lm(torch_model, mesh, torch_fully_shard)
     state = model.norm._fsdp_state
     assert all(m._fsdp_state is state for m in head), "the head modules do not share one state"
-    root_params = {p.fqn for p in model._fsdp_state.param_group.fsdp_params}
+    root_params = {p.fqn for p in model._fsdp_state.param_groups[0].fsdp_params}
     assert root_params == {"pos_embeddings.weight"} | (set() if tied else {"tok_embeddings.weight"})
     optims = [make_optimizer(m) for m in (ref, model, torch_model)]
     for step in range(NUM_STEPS):
@@ -473,9 +472,11 @@ def test_list_forms_one_group_under_the_root(mesh: DeviceMesh) -> None:
         assert module._fsdp_state is state
     # The tied weight stays one parameter, in the head group, not the root's.
     assert model.tok_embeddings.weight is model.output.weight
-    group = state.param_group
+    (group,) = state.param_groups
     assert [len(p.slots) for p in group.fsdp_params] == [2, 1, 1]
-    assert [p.fqn for p in model._fsdp_state.param_group.fsdp_params] == ["pos_embeddings.weight"]
+    assert [p.fqn for p in model._fsdp_state.param_groups[0].fsdp_params] == [
+        "pos_embeddings.weight"
+    ]
     for name, param in model.named_parameters():
         assert isinstance(param, DTensor), name
         assert torch.equal(param.to_local(), torch.chunk(full[name], FAKE_WORLD_SIZE)[0]), name

@@ -522,7 +522,7 @@ def test_reset_after_failed_all_gather_frees_unsharded_storage(
     model = shard_net(build_net(), _one_rank_mesh())
     copy_out = param_group_module.copy_out
 
-    target = model.layers[1]._fsdp_state.param_group.fsdp_params[0]
+    target = model.layers[1]._fsdp_state.param_groups[0].fsdp_params[0]
 
     def failing_copy_out(result, outputs) -> None:
         # The unsharded storage is allocated by now: a failure here must not leak it.
@@ -544,9 +544,9 @@ def test_reset_after_failed_all_gather_frees_unsharded_storage(
 
 def _groups(model: nn.Module) -> list:
     return [
-        m._fsdp_state.param_group
+        m._fsdp_state.param_groups[0]
         for m in model.modules()
-        if isinstance(m, fsdp2.FSDPModule) and m._fsdp_state.param_group is not None
+        if isinstance(m, fsdp2.FSDPModule) and m._fsdp_state.param_groups
     ]
 
 

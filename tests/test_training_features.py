@@ -110,12 +110,12 @@ def _of_kind(log: list[Collective], kind: str) -> list[Collective]:
 
 def _groups(model: nn.Module) -> list[fsdp2.FSDPModule]:
     """FSDP modules that own parameters."""
-    return [m for m in fsdp_modules(model) if m._fsdp_state.param_group is not None]
+    return [m for m in fsdp_modules(model) if m._fsdp_state.param_groups]
 
 
 def _sharded_states(model: nn.Module) -> dict[str, ShardedState]:
     return {
-        m._fsdp_state.param_group.fqn or "<root>": m._fsdp_state.param_group.sharded_state
+        m._fsdp_state.param_groups[0].fqn or "<root>": m._fsdp_state.param_groups[0].sharded_state
         for m in _groups(model)
     }
 
@@ -619,7 +619,7 @@ def _reshard_after_forward(rank: int, world_size: int) -> None:
                 with record_collectives() as forward_log:
                     loss = mean_loss(model, *local)
                 blocks_after_forward = {
-                    block._fsdp_state.param_group.sharded_state for block in model.layers
+                    block._fsdp_state.param_groups[0].sharded_state for block in model.layers
                 }
                 with record_collectives() as backward_log:
                     loss.backward()

@@ -365,8 +365,8 @@ def test_shard_placement_fn_not_callable_raises(mesh: DeviceMesh, fn: object) ->
     before = _params_by_name(model)
     with pytest.raises(
         TypeError,
-        match=rf"shard_placement_fn must be a function param -> Shard\(dim\) \| None, "
-        rf"got {type(fn).__name__}",
+        match=rf"shard_placement_fn must be a function param -> Shard\(dim\) \| "
+        rf"ShardPlacementResult \| None, got {type(fn).__name__}",
     ):
         fully_shard(model, mesh=mesh, shard_placement_fn=fn)  # type: ignore[arg-type]
     assert_untouched(model, MLP)
@@ -385,7 +385,8 @@ def test_shard_placement_fn_returning_non_shard_raises(mesh: DeviceMesh, placeme
     with pytest.raises(
         TypeError,
         match=rf"shard_placement_fn returned {re.escape(repr(placement))} for 'down\.weight'; "
-        r"it must return torch\.distributed\.tensor\.Shard\(dim\) or None",
+        r"it must return torch\.distributed\.tensor\.Shard\(dim\), "
+        r"fsdp2\.ShardPlacementResult\(placement, mesh\) or None",
     ):
         fully_shard(model, mesh=mesh, shard_placement_fn=_place({"down.weight": placement}, model))
     assert_untouched(model, MLP)
