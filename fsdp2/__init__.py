@@ -6,7 +6,7 @@ The public API mirrors ``torch.distributed.fsdp.fully_shard``.
 from .clip import clip_grad_norm_
 from .custom_comm import AllGather, Comm, ReduceScatter
 from .fully_shard import fully_shard
-from .mesh import ShardPlacementResult
+from .mesh import DataParallelMeshDims, ShardPlacementResult
 from .module import FSDPModule, UnshardHandle, register_fsdp_forward_method, share_comm_ctx
 from .policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from .stats import CommStats, comm_stats
@@ -17,6 +17,7 @@ __all__ = [
     "CPUOffloadPolicy",
     "Comm",
     "CommStats",
+    "DataParallelMeshDims",
     "FSDPModule",
     "GroupSummary",
     "MixedPrecisionPolicy",

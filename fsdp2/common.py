@@ -44,6 +44,9 @@ class MeshInfo:
     shard_rank: int
     replicate_group: dist.ProcessGroup | None = None  # HSDP only
     replicate_world_size: int = 1
+    # dp_mesh_dims: the full mesh the parameters live on, and which of its axes
+    # are the data-parallel ones this info describes (see mesh.py).
+    spmd: "SpmdAxes | None" = None
 
     @classmethod
     def from_mesh(cls, mesh: DeviceMesh) -> "MeshInfo":
@@ -66,6 +69,25 @@ class MeshInfo:
         if self.replicate_group is None:
             return (Shard(0),)
         return (Replicate(), Shard(0))
+
+
+@dataclass(frozen=True)
+class SpmdAxes:
+    """``fully_shard(mesh, dp_mesh_dims=...)``: parameters are DTensors on
+    ``mesh`` (all its axes, e.g. dp and tp), ``Replicate()`` on the
+    data-parallel axes, which fsdp2 then shards (``shard``, several flattened
+    into one) and replicates over (``replicate``, HSDP)."""
+
+    mesh: DeviceMesh
+    shard: tuple[int, ...]  # mesh axes, in mesh order
+    replicate: tuple[int, ...]
+    # The mesh the sharded parameters live on: ``mesh`` with the shard axes
+    # flattened into one (itself when there is one shard axis).
+    sharded_mesh: DeviceMesh
+
+    @property
+    def data_parallel(self) -> frozenset[int]:
+        return frozenset(self.shard + self.replicate)
 
 
 def chunk_rows(dim0: int, world_size: int) -> int:

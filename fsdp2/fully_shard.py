@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from .common import MeshInfo, ShardedState, device_from_mesh, post_forward_mesh_info
-from .mesh import MeshInfos
+from .mesh import DataParallelMeshDims, MeshInfos, ShardPlacementResult, spmd_mesh_info
 from .module import FSDPModule
 from .param import FSDPParam, ModuleSlot
 from .param_group import FSDPParamGroup
@@ -46,7 +46,8 @@ def fully_shard(
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),  # noqa: B008 (frozen)
     ignored_params: set[nn.Parameter] | None = None,
     offload_policy: OffloadPolicy = OffloadPolicy(),  # noqa: B008 (frozen)
-    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
+    shard_placement_fn: Callable[[nn.Parameter], Shard | ShardPlacementResult | None] | None = None,
+    dp_mesh_dims: DataParallelMeshDims | None = None,
     min_numel_to_shard: int = 0,
 ) -> FSDPModule | list[FSDPModule]:
     """Shards ``module``'s parameters over ``mesh`` and communicates them as one group.
@@ -93,8 +94,17 @@ def fully_shard(
             gradients and optimizer state on the CPU. (Default: no offload)
         shard_placement_fn: called with each parameter; returns the
             ``Shard(dim)`` to shard it on, or None for ``Shard(0)`` (e.g. an
-            expert weight whose dim 0 is small). Dims other than 0 must split
+            expert weight whose dim 0 is small), or a
+            ``ShardPlacementResult(placement, mesh)`` to shard it over another
+            mesh (e.g. experts on an expert-parallel mesh): each mesh's
+            parameters form a group of their own. Dims other than 0 must split
             evenly over the mesh. (Default: None, every parameter on dim 0)
+        dp_mesh_dims: the parameters are already DTensors on all of ``mesh``
+            (e.g. tensor parallel on ``"tp"``, ``Replicate()`` on ``"dp"``):
+            shard them over the axes named ``shard`` and, for HSDP, replicate
+            over ``replicate``. ``mesh`` is then the full mesh and may have
+            any number of axes. (Default: None, ``mesh`` is the data-parallel
+            mesh)
         min_numel_to_shard: parameters with fewer elements (of their TP-local
             part, for a DTensor) are not sharded but kept whole on every rank
             as ``Replicate()`` DTensors, and their gradients all-reduced: for
@@ -110,15 +120,23 @@ def fully_shard(
         The same module, now an ``FSDPModule`` (or the same list of them).
     """
     modules = _module_list(module)
-    mesh = resolve_mesh(mesh)
+    mesh = resolve_mesh(mesh, full_spmd_mesh=dp_mesh_dims is not None)
     check_policies(mp_policy, offload_policy)
-    mesh_info = MeshInfo.from_mesh(mesh)
+    if dp_mesh_dims is None:
+        mesh_info = MeshInfo.from_mesh(mesh)
+    else:
+        mesh_info = spmd_mesh_info(mesh, dp_mesh_dims)
+        if not isinstance(reshard_after_forward, bool | None):
+            raise NotImplementedError(
+                f"reshard_after_forward={reshard_after_forward} (an int) is not supported with "
+                "dp_mesh_dims: pass True or False."
+            )
     resharding = _resolve_reshard_after_forward(reshard_after_forward, mesh_info)[0]
     device = device_from_mesh(mesh)
     ignored = set(ignored_params or ())
     named_params = [(fqn, p) for fqn, p in _unowned_params(modules) if p not in ignored]
     _check_no_param_shared_with_nested_group(modules)
-    check_params(named_params, mesh, device, mp_policy)
+    check_params(named_params, mesh, device, mp_policy, mesh_info.spmd)
     placements = shard_placements(named_params, shard_placement_fn, MeshInfos(mesh_info), device)
     check_min_numel_to_shard(min_numel_to_shard)
     # After forward: per mesh, resharding (or not) and the smaller group to reshard to.

@@ -1,15 +1,103 @@
-"""Where a parameter is sharded: ``shard_placement_fn``'s results, resolved
-into one ``MeshInfo`` per mesh (each mesh's parameters form a group of their
-own, see [Note: groups of one call])."""
+"""Where parameters are sharded: ``dp_mesh_dims`` (the data-parallel axes of a
+full SPMD mesh) and ``shard_placement_fn``'s results, resolved into one
+``MeshInfo`` per mesh (each mesh's parameters form a group of their own)."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
-from .common import MeshInfo
+from .common import MeshInfo, SpmdAxes
+from .private_api import concatenate_meshes, flatten_axes
+
+
+@dataclass(frozen=True)
+class DataParallelMeshDims:
+    """Names the data-parallel axes of the full mesh passed to ``fully_shard``
+    when the parameters are already DTensors on all of it (e.g. TP on ``"tp"``
+    and ``Replicate()`` on ``"dp"``): fsdp2 shards them over ``shard`` and, for
+    HSDP, replicates them over ``replicate``. Several names of one kind are
+    flattened into one axis.
+
+    Args:
+        shard: the axis name(s) to shard over.
+        replicate: the axis name(s) to replicate over (HSDP). (Default: None)
+    """
+
+    shard: str | tuple[str, ...] | None = None
+    replicate: str | tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.shard is None and self.replicate is None:
+            raise ValueError(
+                "At least one of shard or replicate must be set in DataParallelMeshDims, e.g. "
+                "DataParallelMeshDims(shard='dp')."
+            )
+
+    @property
+    def shard_names(self) -> tuple[str, ...]:
+        return _names(self.shard)
+
+    @property
+    def replicate_names(self) -> tuple[str, ...]:
+        return _names(self.replicate)
+
+
+def _names(value: str | tuple[str, ...] | None) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    return (value,) if isinstance(value, str) else tuple(value)
+
+
+def spmd_mesh_info(mesh: DeviceMesh, dims: DataParallelMeshDims) -> MeshInfo:
+    """The data-parallel axes of ``mesh`` named by ``dims``, as the ``MeshInfo``
+    of a 1D (FSDP) or 2D (HSDP) mesh over them, with the full mesh kept."""
+    if not isinstance(dims, DataParallelMeshDims):
+        raise TypeError(
+            f"dp_mesh_dims must be an fsdp2.DataParallelMeshDims, got {type(dims).__name__}."
+        )
+    names = mesh.mesh_dim_names
+    if names is None:
+        raise ValueError(
+            "mesh must have mesh_dim_names when dp_mesh_dims is provided: build it with "
+            "init_device_mesh(..., mesh_dim_names=(...)) and name the axes in dp_mesh_dims."
+        )
+    for name in (*dims.shard_names, *dims.replicate_names):
+        if name not in names:
+            raise ValueError(
+                f"Mesh dim name {name!r} not found in mesh.mesh_dim_names {names}; "
+                "dp_mesh_dims names the mesh's data-parallel axes."
+            )
+    if not dims.shard_names:
+        raise NotImplementedError(
+            "dp_mesh_dims with replicate axes only (DDP) is not supported by fsdp2: name the "
+            "axes to shard over too, or use torch's replicate() for pure data parallelism."
+        )
+    shard = tuple(sorted(names.index(n) for n in dims.shard_names))
+    if shard != tuple(range(shard[0], shard[0] + len(shard))):
+        raise ValueError(
+            f"dp_mesh_dims.shard {dims.shard_names} must be adjacent axes of the mesh "
+            f"{names}: they are flattened into one."
+        )
+    replicate = tuple(sorted(names.index(n) for n in dims.replicate_names))
+    shard_mesh = _one_axis(mesh, dims.shard_names)
+    sharded_mesh = mesh
+    if len(shard) > 1:  # the sharded parameters live on the mesh with those axes as one
+        axes = [mesh[names[i]] for i in range(shard[0])]
+        axes += [shard_mesh] + [mesh[names[i]] for i in range(shard[-1] + 1, mesh.ndim)]
+        sharded_mesh = concatenate_meshes(axes)
+    dp_mesh = shard_mesh
+    if replicate:
+        dp_mesh = concatenate_meshes([_one_axis(mesh, dims.replicate_names), shard_mesh])
+    spmd = SpmdAxes(mesh, shard, replicate, sharded_mesh)
+    return dataclasses.replace(MeshInfo.from_mesh(dp_mesh), spmd=spmd)
+
+
+def _one_axis(mesh: DeviceMesh, names: tuple[str, ...]) -> DeviceMesh:
+    return mesh[names[0]] if len(names) == 1 else flatten_axes(mesh, names)
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
-from .common import MeshInfo, chunk_rows
+from .common import MeshInfo, SpmdAxes, chunk_rows
 from .extension import AllGatherExtension, uses_all_gather_extension
 from .policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from .private_api import (
@@ -43,6 +43,7 @@ from .private_api import (
     dtensor_from_local_no_grad,
     dtensor_spec,
     local_tensor,
+    shards_tensor,
     strided_shard,
 )
 from .validate import FSDP_SHARDED
@@ -248,6 +249,8 @@ class FSDPParam:
         tp = self.tp_layout
         if tp is None:
             return self.mesh_info.mesh, tuple(dp_placements)
+        if (spmd := self.mesh_info.spmd) is not None:
+            return self._spmd_sharded_layout(spmd, dp_placements[-1])
         tp_shards = math.prod(
             tp.mesh.size(axis)
             for axis, p in enumerate(tp.placements)
@@ -255,8 +258,29 @@ class FSDPParam:
         )
         if tp_shards > 1 and not self.replicated:
             dp_placements[-1] = strided_shard(self.shard_dim, tp_shards)
-        mesh = concatenate_meshes(self.mesh_info.mesh, tp.mesh)
+        mesh = concatenate_meshes([self.mesh_info.mesh, tp.mesh])
         return mesh, (*dp_placements, *tp.placements)
+
+    def _spmd_sharded_layout(
+        self, spmd: SpmdAxes, dp_placement: Placement
+    ) -> tuple[DeviceMesh, tuple[Placement, ...]]:
+        """``dp_mesh_dims``: the parameter's own placements on the full mesh, its
+        data-parallel shard axes (flattened into one) placed ``dp_placement``,
+        or ``_StridedShard`` when axes after them shard the same dim (the data-
+        parallel chunk is then a chunk of theirs), replicate axes ``Replicate()``."""
+        placements = list(self.tp_layout.placements)
+        dim = self.shard_dim
+        later = range(spmd.shard[-1] + 1, spmd.mesh.ndim)
+        split = math.prod(
+            spmd.mesh.size(axis)
+            for axis in later
+            if shards_tensor(placements[axis]) and placements[axis].dim == dim
+        )
+        if split > 1 and isinstance(dp_placement, Shard):
+            dp_placement = strided_shard(dim, split)
+        placements[spmd.shard[0]] = dp_placement
+        del placements[spmd.shard[0] + 1 : spmd.shard[-1] + 1]  # flattened into the first
+        return spmd.sharded_mesh, tuple(placements)
 
     def shard_like(self, full: torch.Tensor) -> DTensor:
         """This rank's shard of ``full`` (shaped like the parameter) as a DTensor."""
@@ -405,8 +429,16 @@ class FSDPParam:
             self.unsharded_param.grad = None
             if isinstance(grad, DTensor):
                 # TP: e.g. Partial() from a sequence-parallel norm; reduce over TP first.
-                if grad.placements != self.tp_layout.placements:
-                    grad = grad.redistribute(placements=self.tp_layout.placements)
+                # The data-parallel axes of dp_mesh_dims are left as they are: the
+                # reduce-scatter (and all-reduce) below reduce over them.
+                target = self.tp_layout.placements
+                if (spmd := self.mesh_info.spmd) is not None:
+                    dp = spmd.data_parallel
+                    target = tuple(
+                        grad.placements[axis] if axis in dp else p for axis, p in enumerate(target)
+                    )
+                if grad.placements != target:
+                    grad = grad.redistribute(placements=target)
                 grad = grad.to_local()
             grad = grad.to(self.reduce_dtype)
         if self.unsynced_grad is not None:

@@ -22,6 +22,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 __all__ = [
     "chunk_cat_",
     "concatenate_meshes",
+    "flatten_axes",
     "dtensor_from_local_no_grad",
     "dtensor_spec",
     "in_backward",
@@ -174,27 +175,34 @@ def dtensor_from_local_no_grad(local: torch.Tensor, spec: DTensorSpec) -> DTenso
     return DTensor(local, spec, requires_grad=False)
 
 
-def concatenate_meshes(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> DeviceMesh:
-    """The mesh whose axes are ``dp_mesh``'s then ``tp_mesh``'s, both slices of one
+def concatenate_meshes(meshes: list[DeviceMesh]) -> DeviceMesh:
+    """The mesh whose axes are those of ``meshes`` in order, all slices of one
     root mesh (e.g. ``mesh["dp"]`` and ``mesh["tp"]``), reusing their process groups.
 
-    Why private: a sharded TP parameter lives on both sets of axes, and there is
-    no public way to join two slices of a mesh. Building a new ``DeviceMesh``
-    from ranks would create new process groups on every call (a collective).
+    Why private: a sharded TP parameter lives on the axes of both slices, and
+    there is no public way to join slices of a mesh. Building a new
+    ``DeviceMesh`` from ranks would create new process groups on every call (a
+    collective).
 
     Raises:
         ValueError: if the meshes are not orthogonal slices of one root mesh.
     """
     try:
-        return DeviceMesh._concatenate([dp_mesh, tp_mesh])
+        return DeviceMesh._concatenate(meshes)
     except (RuntimeError, TypeError, AttributeError) as error:
         raise ValueError(
-            f"fully_shard over tensor parallelism needs the data-parallel mesh {dp_mesh} and "
-            f"the parameters' TP mesh {tp_mesh} to be named slices of one mesh: build "
-            "mesh = init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', 'tp')), "
-            "parallelize with mesh['tp'] and pass fully_shard(..., mesh=mesh['dp']) "
-            f"({error})"
+            f"the meshes {meshes} must be named slices of one mesh ({error})"
         ) from error
+
+
+def flatten_axes(mesh: DeviceMesh, names: tuple[str, ...]) -> DeviceMesh:
+    """One axis over the ranks of several axes of ``mesh`` (``dp_mesh_dims`` that
+    names several axes to shard or replicate over).
+
+    Why private: ``DeviceMesh._flatten`` is the only way to get such an axis
+    with its process group cached on the root mesh; torch's fully_shard uses it.
+    """
+    return mesh[names]._flatten("_".join(names))
 
 
 def strided_shard(dim: int, split_factor: int) -> Placement:

@@ -8,7 +8,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from .common import MeshInfo
+from .common import MeshInfo, SpmdAxes
 from .extension import POST_ALL_GATHER, PRE_ALL_GATHER
 from .mesh import MeshInfos, ShardPlacementResult
 from .policy import MixedPrecisionPolicy, OffloadPolicy
@@ -41,7 +41,9 @@ def check_module(module: nn.Module) -> None:
         )
 
 
-def resolve_mesh(mesh: DeviceMesh | None) -> DeviceMesh:
+def resolve_mesh(mesh: DeviceMesh | None, full_spmd_mesh: bool = False) -> DeviceMesh:
+    """``mesh`` checked (or the default); with ``dp_mesh_dims`` (``full_spmd_mesh``)
+    it may have any number of axes."""
     if mesh is None:
         if not dist.is_initialized():
             raise RuntimeError(
@@ -57,6 +59,8 @@ def resolve_mesh(mesh: DeviceMesh | None) -> DeviceMesh:
             f"fully_shard expects mesh to be a DeviceMesh, got {type(mesh).__name__}. Build "
             "one with torch.distributed.device_mesh.init_device_mesh(device_type, (world_size,))."
         )
+    if full_spmd_mesh:
+        return mesh
     if mesh.ndim not in (1, 2):
         raise ValueError(
             f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh}, {mesh.ndim}D with shape "
@@ -120,6 +124,7 @@ def check_params(
     mesh: DeviceMesh,
     device: torch.device,
     mp_policy: MixedPrecisionPolicy,
+    spmd: SpmdAxes | None = None,
 ) -> None:
     _check_reduce_dtypes(named_params, mp_policy)
     for fqn, param in named_params:
@@ -129,7 +134,9 @@ def check_params(
                 "earlier fully_shard call already sharded (tied modules in two groups). Shard the "
                 "modules that share it in one call (their common parent), or untie them."
             )
-        if isinstance(param, DTensor):
+        if spmd is not None:
+            _check_spmd_param(fqn, param, spmd)
+        elif isinstance(param, DTensor):
             _check_tp_param(fqn, param, mesh)
         if param.dim() == 0:
             raise ValueError(
@@ -209,6 +216,34 @@ def check_all_gather_extension(
     return True
 
 
+def _check_spmd_param(fqn: str, param: nn.Parameter, spmd: SpmdAxes) -> None:
+    """With ``dp_mesh_dims`` every parameter is a DTensor on the full mesh,
+    ``Replicate()`` on its data-parallel axes (fsdp2 shards over them)."""
+    names = spmd.mesh.mesh_dim_names
+    if not isinstance(param, DTensor) or param.device_mesh != spmd.mesh:
+        where = (
+            f"a DTensor on {param.device_mesh}" if isinstance(param, DTensor) else "a plain tensor"
+        )
+        raise ValueError(
+            "When dp_mesh_dims is provided, all parameters must be DTensors on the full SPMD "
+            f"mesh passed to fully_shard ({spmd.mesh}), but {fqn!r} is {where}. Distribute it "
+            "first, e.g. with distribute_module or distribute_tensor(param, mesh, placements)."
+        )
+    for axis in sorted(spmd.data_parallel):
+        if not isinstance(param.placements[axis], Replicate):
+            raise ValueError(
+                f"Expected Replicate() on DP dim {names[axis]!r} (index {axis}) but got "
+                f"{param.placements[axis]} for {fqn!r}: with dp_mesh_dims, fsdp2 shards the "
+                "parameters over the data-parallel axes itself."
+            )
+    unsupported = [p for p in param.placements if type(p) not in (Shard, Replicate)]
+    if unsupported:
+        raise ValueError(
+            f"fully_shard: parameter {fqn!r} is placed {param.placements}; only Shard(dim) and "
+            "Replicate() placements can be sharded further. Redistribute it first."
+        )
+
+
 def _check_tp_param(fqn: str, param: DTensor, mesh: DeviceMesh) -> None:
     """A DTensor parameter is a tensor-parallel one: sharded or replicated over
     axes orthogonal to ``mesh`` (see [Note: FSDP over tensor parallelism])."""
@@ -236,7 +271,16 @@ def _check_tp_param(fqn: str, param: DTensor, mesh: DeviceMesh) -> None:
             f"fully_shard: parameter {fqn!r} is a DTensor on a {param.device_mesh.device_type} "
             f"mesh, but the data-parallel mesh is on {mesh.device_type}. Use one device type."
         )
-    concatenate_meshes(mesh, param.device_mesh)  # raises ValueError with the recipe
+    try:
+        concatenate_meshes([mesh, param.device_mesh])
+    except ValueError as error:
+        raise ValueError(
+            f"fully_shard over tensor parallelism needs the data-parallel mesh {mesh} and the "
+            f"parameters' TP mesh {param.device_mesh} to be named slices of one mesh: build "
+            "mesh = init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', 'tp')), "
+            "parallelize with mesh['tp'] and pass fully_shard(..., mesh=mesh['dp']), or pass "
+            "the whole mesh with dp_mesh_dims=DataParallelMeshDims(shard='dp')."
+        ) from error
 
 
 def shard_placements(
