@@ -33,6 +33,7 @@ bench: setup
 lint: setup
 	$(VENV)/bin/ruff check fsdp2 tests scripts
 	$(VENV)/bin/ruff format --check fsdp2 tests scripts
+	$(VENV)/bin/mypy fsdp2 tests/typing_fully_shard.py
 
 format: setup
 	$(VENV)/bin/ruff check --fix fsdp2 tests scripts

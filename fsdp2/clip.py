@@ -83,7 +83,7 @@ def clip_grad_norm_(
     if not with_grad:
         return torch.tensor(0.0)
     groups = _group_by_mesh(with_grad)
-    total = _total_norm(groups, norm_type, foreach, with_grad[0].grad.device)
+    total = _total_norm(groups, norm_type, foreach, _grad(with_grad[0]).device)
     if error_if_nonfinite and not torch.isfinite(total).item():
         raise RuntimeError(
             f"clip_grad_norm_: the total {norm_type}-norm of the gradients is {total.item()}, "
@@ -102,8 +102,15 @@ def _group_by_mesh(params: list[torch.Tensor]) -> dict[_GroupKey, list[torch.Ten
     # groups' all-reduces pair up across ranks.
     groups: dict[_GroupKey, list[torch.Tensor]] = {}
     for index, param in enumerate(params):
-        groups.setdefault(_group_key(param.grad, index), []).append(param)
+        groups.setdefault(_group_key(_grad(param), index), []).append(param)
     return groups
+
+
+def _grad(param: torch.Tensor) -> torch.Tensor:
+    """The gradient of a parameter known to have one."""
+    if param.grad is None:
+        raise AssertionError("clip_grad_norm_: a parameter lost its gradient while clipping")
+    return param.grad
 
 
 def _group_key(grad: torch.Tensor, index: int) -> _GroupKey:
@@ -129,11 +136,11 @@ def _total_norm(
     foreach: bool | None,
     device: torch.device,
 ) -> torch.Tensor:
-    grads = [p.grad for params in groups.values() for p in params]
+    grads = [_grad(p) for params in groups.values() for p in params]
     dtype = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
     per_group = []
     for (mesh, sharded_axes), params in groups.items():
-        locals_ = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]
+        locals_ = [g.to_local() if isinstance(g := _grad(p), DTensor) else g for p in params]
         value = _local_norm(locals_, norm_type, foreach).to(dtype)
         if not math.isinf(norm_type):
             value = value**norm_type

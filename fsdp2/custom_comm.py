@@ -48,7 +48,7 @@ class ReduceScatter(Comm):
         output_tensor: torch.Tensor,
         input_tensor: torch.Tensor,
         group: dist.ProcessGroup,
-        op: dist.ReduceOp,
+        op: dist.ReduceOp | dist.ReduceOp.RedOpType,
         async_op: bool = False,
     ) -> dist.Work | None:
         """Reduces ``input_tensor`` over the ranks with ``op`` (fsdp2 passes

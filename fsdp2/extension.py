@@ -95,10 +95,11 @@ class AllGatherExtension:
         process_group: dist.ProcessGroup,
     ) -> list[torch.Tensor]:
         """This rank's inputs, flat and each as long as its slot."""
+        pre_all_gather = getattr(shard, PRE_ALL_GATHER)
         if self.legacy:
-            inputs, self._metadata = shard.fsdp_pre_all_gather(self.mesh)
+            inputs, self._metadata = pre_all_gather(self.mesh)
         else:
-            inputs, self._metadata = shard.fsdp_pre_all_gather(
+            inputs, self._metadata = pre_all_gather(
                 self.mesh, outer_size, outer_stride, self.module, self.mp_policy
             )
         inputs = [t.contiguous() for t in inputs]
@@ -106,7 +107,7 @@ class AllGatherExtension:
             self._init_slots(inputs, process_group)
         self._input_shapes = [t.shape for t in inputs]
         flat = []
-        for t, numel in zip(inputs, self.slot_numels, strict=True):
+        for t, numel in zip(inputs, self.slots, strict=True):
             t = t.view(-1)
             if t.numel() < numel:  # the short shard of an uneven parameter
                 t = torch.cat([t, t.new_zeros(numel - t.numel())])
@@ -126,12 +127,19 @@ class AllGatherExtension:
         self.slot_numels = numels
         self.slot_dtypes = [t.dtype for t in inputs]
 
+    @property
+    def slots(self) -> list[int]:
+        """Elements of each input's slot (after the first ``pre_all_gather``)."""
+        if self.slot_numels is None:
+            raise AssertionError("the all-gather slots are known after the first pre-all-gather")
+        return self.slot_numels
+
     def alloc_outputs(self, world_size: int) -> list[torch.Tensor]:
         """The outputs, their storage (re)allocated, each seen as ``(W, slot)``."""
         if not self._outputs:
             self._outputs = [
                 torch.empty(world_size * numel, dtype=dtype, device=self.device)
-                for numel, dtype in zip(self.slot_numels, self.slot_dtypes, strict=True)
+                for numel, dtype in zip(self.slots, self.slot_dtypes, strict=True)
             ]
         for t in (*self._outputs, *self._inner_tensors):
             _resize_storage(t, t.numel() * t.element_size())
@@ -150,10 +158,11 @@ class AllGatherExtension:
             for t, shape in zip(self._outputs, self._input_shapes, strict=True)
         )
         metadata, self._metadata = self._metadata, None
+        post_all_gather = getattr(shard, POST_ALL_GATHER)
         if unsharded_param is not None:
-            shard.fsdp_post_all_gather(outputs, metadata, param_dtype, out=unsharded_param)
+            post_all_gather(outputs, metadata, param_dtype, out=unsharded_param)
             return unsharded_param
-        tensor, inner_tensors = shard.fsdp_post_all_gather(outputs, metadata, param_dtype)
+        tensor, inner_tensors = post_all_gather(outputs, metadata, param_dtype)
         self._inner_tensors = list(inner_tensors)
         if tensor.size(0) != self.unsharded_rows:  # padded rows of an uneven parameter
             tensor = tensor.narrow(0, 0, self.unsharded_rows)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol, cast, overload
 
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -37,7 +37,53 @@ from .validate import (
 # see one class however many modules of that class are sharded.
 _FSDP_CLASSES: dict[type, type] = {}
 
+PlacementFn = Callable[[nn.Parameter], Shard | ShardPlacementResult | None]
 
+
+class FullyShard(Protocol):
+    """The type of ``fully_shard``: a module in gives an ``FSDPModule``, a list
+    a list of them; ``fully_shard.state(module)`` is the call's state."""
+
+    @overload
+    def __call__(
+        self,
+        module: nn.Module,
+        *,
+        mesh: DeviceMesh | None = ...,
+        reshard_after_forward: bool | int | None = ...,
+        mp_policy: MixedPrecisionPolicy = ...,
+        ignored_params: set[nn.Parameter] | None = ...,
+        offload_policy: OffloadPolicy = ...,
+        shard_placement_fn: PlacementFn | None = ...,
+        dp_mesh_dims: DataParallelMeshDims | None = ...,
+        min_numel_to_shard: int = ...,
+    ) -> FSDPModule: ...
+
+    @overload
+    def __call__(
+        self,
+        module: list[nn.Module],
+        *,
+        mesh: DeviceMesh | None = ...,
+        reshard_after_forward: bool | int | None = ...,
+        mp_policy: MixedPrecisionPolicy = ...,
+        ignored_params: set[nn.Parameter] | None = ...,
+        offload_policy: OffloadPolicy = ...,
+        shard_placement_fn: PlacementFn | None = ...,
+        dp_mesh_dims: DataParallelMeshDims | None = ...,
+        min_numel_to_shard: int = ...,
+    ) -> list[FSDPModule]: ...
+
+    def state(self, module: nn.Module) -> FSDPState | None: ...
+
+
+def _with_state(fn: Callable[..., Any]) -> FullyShard:
+    """Gives ``fully_shard`` its ``state(module)`` (as torch's has), typed."""
+    setattr(fn, "state", get_fsdp_state)  # noqa: B010 (a function's attribute)
+    return cast(FullyShard, fn)
+
+
+@_with_state
 def fully_shard(
     module: nn.Module | list[nn.Module],
     *,
@@ -46,7 +92,7 @@ def fully_shard(
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),  # noqa: B008 (frozen)
     ignored_params: set[nn.Parameter] | None = None,
     offload_policy: OffloadPolicy = OffloadPolicy(),  # noqa: B008 (frozen)
-    shard_placement_fn: Callable[[nn.Parameter], Shard | ShardPlacementResult | None] | None = None,
+    shard_placement_fn: PlacementFn | None = None,
     dp_mesh_dims: DataParallelMeshDims | None = None,
     min_numel_to_shard: int = 0,
 ) -> FSDPModule | list[FSDPModule]:
@@ -195,15 +241,6 @@ def fully_shard(
         mark_composable_api(member, "fully_shard")
         _swap_class(member)
     return module  # type: ignore[return-value]
-
-
-def _state(module: nn.Module) -> FSDPState | None:
-    """``fully_shard.state(module)``: the state of the ``fully_shard`` call that
-    took ``module`` (shared by the modules of a list), or None."""
-    return get_fsdp_state(module)
-
-
-fully_shard.state = _state  # type: ignore[attr-defined]
 
 
 def _resolve_reshard_after_forward(

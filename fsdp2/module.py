@@ -41,7 +41,7 @@ class FSDPModule:
         ``<Name>``: it went through no ``fully_shard`` call, so it has no state."""
         orig_cls = next(c for c in cls.__mro__[1:] if not issubclass(c, FSDPModule))
         module = orig_cls.__new__(orig_cls)
-        module.__init__(*args, **kwargs)
+        orig_cls.__init__(module, *args, **kwargs)
         return module
 
     @property

@@ -34,6 +34,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 from .common import MeshInfo, SpmdAxes, chunk_rows
 from .extension import AllGatherExtension, uses_all_gather_extension
@@ -43,7 +44,6 @@ from .private_api import (
     dtensor_from_local_no_grad,
     dtensor_spec,
     local_tensor,
-    shards_tensor,
     strided_shard,
 )
 from .validate import FSDP_SHARDED
@@ -81,7 +81,11 @@ def _shard_of(data: torch.Tensor, dim: int, world_size: int, rank: int) -> torch
 
 def _shard_axis(mesh: DeviceMesh) -> DeviceMesh:
     """The 1D mesh of the shard axis (the last) of a FSDP or HSDP mesh."""
-    return mesh if mesh.ndim == 1 else mesh[mesh.mesh_dim_names[-1]]
+    if mesh.ndim == 1:
+        return mesh
+    if mesh.mesh_dim_names is None:  # fully_shard refuses a 2D mesh without names
+        raise AssertionError(f"an HSDP mesh without axis names: {mesh}")
+    return mesh[mesh.mesh_dim_names[-1]]
 
 
 class TPLayout(NamedTuple):
@@ -166,7 +170,8 @@ class FSDPParam:
             local = _shard_of(data.detach(), shard_dim, world_size, rank)
             # Meta parameters stay on meta until ``module.to_empty(device=...)``.
             local = local if data.is_meta else local.to(self.shard_device)
-            if self.offload and offload_policy.pin_memory and device.type != "cpu":
+            pin = isinstance(offload_policy, CPUOffloadPolicy) and offload_policy.pin_memory
+            if pin and device.type != "cpu":
                 local = local.pin_memory()
         self._local_start = start
         self.sharded_param = nn.Parameter(
@@ -176,7 +181,7 @@ class FSDPParam:
         self.local_numel = local.numel()
         self.local_shape = local.shape
         self._unsharded_padded: torch.Tensor | None = None
-        self._grad_spec = None  # DTensorSpec of the sharded grad, built on first use
+        self._grad_spec: DTensorSpec | None = None  # of the sharded grad, built on first use
         self.unsharded_param: nn.Parameter | None = None
         # Sum of unsharded gradients of backwards run without gradient sync.
         self.unsynced_grad: torch.Tensor | None = None
@@ -268,13 +273,12 @@ class FSDPParam:
         data-parallel shard axes (flattened into one) placed ``dp_placement``,
         or ``_StridedShard`` when axes after them shard the same dim (the data-
         parallel chunk is then a chunk of theirs), replicate axes ``Replicate()``."""
-        placements = list(self.tp_layout.placements)
+        placements = list(self._tp_layout().placements)
         dim = self.shard_dim
-        later = range(spmd.shard[-1] + 1, spmd.mesh.ndim)
-        split = math.prod(
+        split = math.prod(  # the parameter's own placements: Shard or Replicate
             spmd.mesh.size(axis)
-            for axis in later
-            if shards_tensor(placements[axis]) and placements[axis].dim == dim
+            for axis, p in enumerate(placements)
+            if axis > spmd.shard[-1] and isinstance(p, Shard) and p.dim == dim
         )
         if split > 1 and isinstance(dp_placement, Shard):
             dp_placement = strided_shard(dim, split)
@@ -305,6 +309,12 @@ class FSDPParam:
             )
         return dtensor_from_local_no_grad(local, self._grad_spec)
 
+    def _tp_layout(self) -> TPLayout:
+        """Of a parameter that is a DTensor (TP, or dp_mesh_dims)."""
+        if self.tp_layout is None:
+            raise AssertionError(f"{self.fqn!r} is not a DTensor parameter")
+        return self.tp_layout
+
     # -- all-gather -------------------------------------------------------
 
     def all_gather_inputs(self) -> list[torch.Tensor]:
@@ -326,7 +336,7 @@ class FSDPParam:
         of the all-gather buffer (an extension's: known after its first inputs)."""
         if self.extension is None:
             return [(self.padded_shard_numel, self.param_dtype)]
-        return list(zip(self.extension.slot_numels, self.extension.slot_dtypes, strict=True))
+        return list(zip(self.extension.slots, self.extension.slot_dtypes, strict=True))
 
     def all_gather_outputs(self, world_size: int) -> list[torch.Tensor]:
         """Where the copy-out writes, storage allocated, one per slot, rank-major
@@ -424,14 +434,15 @@ class FSDPParam:
     def take_unsharded_grad(self) -> torch.Tensor | None:
         """Detaches the gradient of this backward (plus any unsynced ones) from
         the unsharded parameter, in ``reduce_dtype``."""
-        grad = None if self.unsharded_param is None else self.unsharded_param.grad
-        if grad is not None:
-            self.unsharded_param.grad = None
+        param = self.unsharded_param
+        grad = None if param is None else param.grad
+        if param is not None and grad is not None:
+            param.grad = None
             if isinstance(grad, DTensor):
                 # TP: e.g. Partial() from a sequence-parallel norm; reduce over TP first.
                 # The data-parallel axes of dp_mesh_dims are left as they are: the
                 # reduce-scatter (and all-reduce) below reduce over them.
-                target = self.tp_layout.placements
+                target = self._tp_layout().placements
                 if (spmd := self.mesh_info.spmd) is not None:
                     dp = spmd.data_parallel
                     target = tuple(

@@ -115,8 +115,10 @@ class FSDPParamGroup:
         if self._all_gather is not None or self.sharded_state is ShardedState.UNSHARDED:
             return
         if self.sharded_state is ShardedState.SHARDED_POST_FORWARD:
-            info = self.post_forward_mesh_info
+            info = self._post_forward_info()
             shard = self._post_forward_shard
+            if shard is None:
+                raise self._fail("SHARDED_POST_FORWARD without its shard")
             inputs, slots = [shard], [(shard.numel(), shard.dtype)]
         else:
             info = self.mesh_info
@@ -173,8 +175,13 @@ class FSDPParamGroup:
 
     def _unshard_world_size(self) -> int:
         if self.sharded_state is ShardedState.SHARDED_POST_FORWARD:
-            return self.post_forward_mesh_info.shard_world_size
+            return self._post_forward_info().shard_world_size
         return self.mesh_info.shard_world_size
+
+    def _post_forward_info(self) -> MeshInfo:
+        if self.post_forward_mesh_info is None:
+            raise self._fail("resharding to a smaller group without one")
+        return self.post_forward_mesh_info
 
     @outside_functorch
     def reshard(self) -> None:
@@ -189,7 +196,7 @@ class FSDPParamGroup:
     def _reshard_post_forward(self) -> None:
         """Keeps this rank's block of the small group (copied out of the unsharded
         parameters), then frees them."""
-        info = self.post_forward_mesh_info
+        info = self._post_forward_info()
         # In the all-gather buffer's units (bytes when the parameters' dtypes differ).
         buffer_dtype = all_gather_dtype([dtype for _, dtype in self._all_gather_slots()])
         blocks = [
@@ -251,6 +258,8 @@ class FSDPParamGroup:
     def _register_post_backward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         inputs = [t for t in tensors_in((args, kwargs)) if t.requires_grad]
         count = self._post_backward_count
+        if count is None:
+            raise self._fail("forward inputs registered outside a forward")
         if not inputs:
             # Post-backward then runs from the final callback (see state.py).
             count.final_callback_only = True

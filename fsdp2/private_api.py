@@ -73,7 +73,7 @@ def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-def local_tensor(dtensor: DTensor) -> torch.Tensor:
+def local_tensor(dtensor: torch.Tensor) -> torch.Tensor:
     """This rank's tensor of ``dtensor`` itself (not a view of it).
 
     Why private: ``DTensor.to_local()`` is an autograd Function, which costs a
@@ -81,6 +81,8 @@ def local_tensor(dtensor: DTensor) -> torch.Tensor:
     refuses to run inside functorch transforms; the engine only reads or
     writes the data in place, outside autograd, as torch's own fully_shard does.
     """
+    if not isinstance(dtensor, DTensor):
+        raise AssertionError(f"expected a DTensor, got a {type(dtensor).__name__}")
     return dtensor._local_tensor
 
 

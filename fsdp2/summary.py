@@ -120,8 +120,11 @@ def print_summary(rows: list[GroupSummary]) -> None:
 
 
 def _human(nbytes: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if nbytes < 1024 or unit == "GiB":
-            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
-        nbytes /= 1024
-    return str(nbytes)
+    if nbytes < 1024:
+        return f"{nbytes} B"
+    size = float(nbytes)
+    for unit in ("KiB", "MiB"):
+        size /= 1024
+        if size < 1024:
+            return f"{size:.1f} {unit}"
+    return f"{size / 1024:.1f} GiB"

@@ -219,7 +219,7 @@ def check_all_gather_extension(
 def _check_spmd_param(fqn: str, param: nn.Parameter, spmd: SpmdAxes) -> None:
     """With ``dp_mesh_dims`` every parameter is a DTensor on the full mesh,
     ``Replicate()`` on its data-parallel axes (fsdp2 shards over them)."""
-    names = spmd.mesh.mesh_dim_names
+    names = spmd.mesh.mesh_dim_names or ()
     if not isinstance(param, DTensor) or param.device_mesh != spmd.mesh:
         where = (
             f"a DTensor on {param.device_mesh}" if isinstance(param, DTensor) else "a plain tensor"
@@ -304,10 +304,12 @@ def shard_placements(
         result = shard_placement_fn(param)
         placement, mesh_info = result, meshes.default
         if isinstance(result, ShardPlacementResult) or hasattr(result, "mesh_info"):
-            placement = result.placement
+            placement = getattr(result, "placement", None)
             # torch's ShardPlacementResult holds its FSDPMeshInfo, which has the mesh.
             mesh = (
-                result.mesh if isinstance(result, ShardPlacementResult) else result.mesh_info.mesh
+                result.mesh
+                if isinstance(result, ShardPlacementResult)
+                else getattr(result, "mesh_info").mesh  # noqa: B009 (typed object)
             )
             mesh = resolve_mesh(mesh)
             if mesh.device_type != device.type:
