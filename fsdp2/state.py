@@ -29,7 +29,7 @@ import torch.nn as nn
 
 from .collectives import ReduceInFlight, all_reduce, assign_sharded_grads
 from .comm import CommContext
-from .common import MeshInfo, ShardedState
+from .common import MeshInfo, ShardedState, eager_hook
 from .order import ExecutionOrderCheck
 from .param_group import FSDPParamGroup
 from .policy import MixedPrecisionPolicy
@@ -167,6 +167,7 @@ class RootContext:
             self.final_callback_queued = True
             queue_backward_callback(self._final_callback)
 
+    @eager_hook
     def _final_callback(self) -> None:
         logger.debug("final callback: finishing backward")
         with torch.profiler.record_function("fsdp2::final_callback"):
@@ -311,6 +312,7 @@ class FSDPState:
 
     # -- forward ----------------------------------------------------------
 
+    @eager_hook
     def _pre_forward(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -361,6 +363,7 @@ class FSDPState:
             return map_tensors(output, _float_caster(dtype))
         return output
 
+    @eager_hook
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         if in_backward():  # recomputation: the group reshards after its backward
             return self._cast_output(output)
@@ -387,6 +390,7 @@ class FSDPState:
 
     # -- backward ---------------------------------------------------------
 
+    @eager_hook
     def _pre_backward(self, grad: torch.Tensor) -> None:
         self.ctx.queue_final_callback()
         group = self.param_group
