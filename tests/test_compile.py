@@ -10,7 +10,7 @@ end. In bf16 the reference is torch's ``fully_shard`` under the same compile.
 
 Each run also checks what dynamo did: the block's forward compiled into one
 graph with no graph break inside it (fsdp2's hooks run eagerly at the block's
-boundary), and nothing compiled again after the second step.
+boundary), and nothing compiled after the first step.
 
 The bug these guard against: dynamo used to trace the hooks, and the traced
 ``buffer.narrow(...).data`` that builds an unsharded parameter came back from
@@ -207,19 +207,16 @@ class Compiled:
     def check(self, case: Case, n_blocks: int) -> None:
         graphs = self.graphs_after_step
         assert graphs[0] >= 1, "nothing was compiled"
-        # Every block forward is one graph (blocks may share one); the root's forward
-        # under torch.compile(model) falls back to eager (see docs/usage.md).
-        assert graphs[1] <= n_blocks, f"{graphs[1]} graphs for {n_blocks} blocks: a break inside?"
-        assert graphs[1:] == [graphs[1]] * (len(graphs) - 1), (
-            f"recompiled: graphs per step {graphs}"
-        )
+        assert graphs == [graphs[0]] * len(graphs), f"compiled after the first step: {graphs}"
         breaks = dict(counters["graph_break"])
         if case.how == WHOLE:
             # The model's graph breaks where it calls a block: at fsdp2's hooks only.
             assert breaks, "compiling the sharded model should break at the blocks' hooks"
             assert all(EAGER_HOOK_REASON in reason for reason in breaks), breaks
         else:
+            # Each block's forward is one graph (blocks may share one).
             assert not breaks, f"graph breaks in a compiled block: {breaks}"
+            assert graphs[0] <= n_blocks, f"{graphs[0]} graphs for {n_blocks} blocks"
 
 
 def _check_versions_untouched(model: nn.Module) -> None:
@@ -320,8 +317,10 @@ def test_bf16_like_torch_fully_shard(tmp_path: Path) -> None:
 @pytest.mark.distributed
 def test_hugging_face_llama(tmp_path: Path) -> None:
     """LlamaForCausalLM (tiny, tied embeddings): torch.compile on each decoder
-    layer, then fully_shard on each, as torchtitan does."""
-    run_ranks(_cases, 2, tmp_path, [Case(model="hf_llama", how=BEFORE_WRAP)])
+    layer, then fully_shard on each, as torchtitan does; and the whole sharded
+    model compiled (its forward compiles around the layers' hooks)."""
+    cases = [Case(model="hf_llama", how=BEFORE_WRAP), Case(model="hf_llama", how=WHOLE)]
+    run_ranks(_cases, 2, tmp_path, cases)
 
 
 @pytest.mark.distributed
@@ -363,7 +362,7 @@ def _compiled_step(rank: int, world_size: int) -> None:
     for name, param in got.items():
         assert_close(param, expected[name], **REF_TOL, msg=lambda m, n=name: f"{n}: {m}")
     graphs = compiled.graphs_after_step
-    assert graphs[0] >= 1 and graphs[1:] == [graphs[1]] * (STEPS - 1), graphs
+    assert graphs[0] >= 1 and graphs == [graphs[0]] * STEPS, f"graphs per step: {graphs}"
     # Dynamo breaks the step where it calls a hook and where it calls backward(),
     # which it cannot trace; the backward hooks the engine then calls on this
     # thread must not be traced either (they would break on every collective).
