@@ -26,8 +26,9 @@ def eager_hook(hook: Callable) -> Callable:
     pre-hook unshards eagerly, the block's forward is one graph whose inputs are
     the unsharded parameters the pre-hook put on the module, the post-hook
     reshards eagerly. Compiling the whole model breaks its graph at each such
-    call. A compiled training step that calls ``backward()`` reaches the backward
-    hooks through the autograd engine, on this thread: they stay eager too.
+    call. A compiled function that calls ``backward()`` has the autograd engine
+    run the backward hooks, for CPU tensors on the calling thread, where dynamo
+    is active: they stay eager too.
 
     Traced, the hooks are not only graph breaks and guards on state that changes
     every iteration: they lose the version counter ``FSDPParam.alloc_unsharded``
