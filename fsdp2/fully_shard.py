@@ -7,6 +7,7 @@ import functools
 from collections.abc import Callable
 from typing import Any, Protocol, cast, overload
 
+import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
@@ -432,6 +433,11 @@ def _checked_forward(forward):
 
     @functools.wraps(forward)
     def checked(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            # The hooks ran, eagerly, just before. Traced, the check would guard the
+            # graph on fsdp2's state and, in a recomputation (activation
+            # checkpointing), break it: the autograd engine query is not traceable.
+            return forward(self, *args, **kwargs)
         state = self.__dict__["_fsdp_state"]
         in_forward = state.ctx.forward_root is not None or in_backward()  # or recomputing
         if not in_forward or any(

@@ -362,7 +362,9 @@ class FSDPParam:
         Writes through it do not bump ``unsharded_param``'s version counter:
         the parameter was built from ``.data``, which has a counter of its own.
         That is what lets backward reuse activations saved in forward after a
-        reshard and a fresh all-gather refilled the same storage.
+        reshard and a fresh all-gather refilled the same storage. It holds
+        because this runs eagerly, never traced (see [Note: hooks under
+        torch.compile] in common.py).
         """
         if self._unsharded_padded is None:
             padded_size = list(self.unsharded_size)

@@ -40,7 +40,7 @@ from .collectives import (
     output_slots,
     reduce_scatter,
 )
-from .common import MeshInfo, ShardedState, TrainingState
+from .common import MeshInfo, ShardedState, TrainingState, eager_hook
 from .custom_comm import AllGather, ReduceScatter
 from .param import FSDPParam
 from .private_api import map_tensors, outside_functorch, tensors_in
@@ -465,6 +465,7 @@ class PostBackward(torch.autograd.Function):
         ctx.group, ctx.count = inputs[0], inputs[1]
 
     @staticmethod
+    @eager_hook
     def backward(ctx, *grads: torch.Tensor):
         if ctx.count.node_ran():
             ctx.group.post_backward()

@@ -30,7 +30,7 @@ import torch.nn as nn
 
 from .collectives import ReduceInFlight, all_reduce, assign_sharded_grads, average
 from .comm import CommContext
-from .common import MeshInfo, ShardedState
+from .common import MeshInfo, ShardedState, eager_hook
 from .order import ExecutionOrderCheck
 from .param_group import FSDPParamGroup
 from .policy import MixedPrecisionPolicy
@@ -194,6 +194,7 @@ class RootContext:
             self.final_callback_queued = True
             queue_backward_callback(self._final_callback)
 
+    @eager_hook
     def _final_callback(self) -> None:
         logger.debug("final callback: finishing backward")
         with torch.profiler.record_function("fsdp2::final_callback"):
@@ -342,6 +343,7 @@ class FSDPState:
 
     # -- forward ----------------------------------------------------------
 
+    @eager_hook
     def _pre_forward(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -394,6 +396,7 @@ class FSDPState:
             return map_tensors(output, _float_caster(dtype))
         return output
 
+    @eager_hook
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         if in_backward():  # recomputation: the group reshards after its backward
             return self._cast_output(output)
@@ -420,6 +423,7 @@ class FSDPState:
 
     # -- backward ---------------------------------------------------------
 
+    @eager_hook
     def _pre_backward(self, grad: torch.Tensor) -> None:
         self.ctx.queue_final_callback()
         explicit = bool(self.backward_prefetch)

@@ -4,13 +4,15 @@ byte by byte, sharded with fsdp2.
     make demo                                    # 2 CPU ranks on gloo, about two minutes
     python scripts/train.py --nproc 2            # the same without make (spawns its ranks)
     torchrun --nproc-per-node 8 scripts/train.py --device cuda --bf16
+    torchrun --nproc-per-node 8 scripts/train.py --device cuda --bf16 --compile
     python scripts/train.py --resume --run-dir runs/20260101-120000 --steps 600
 
 Every transformer block is its own ``fully_shard`` group and the root holds
 the embeddings, final norm and head; the model is built on the meta device and
 only this rank's shards are ever allocated. AdamW with warm-up and cosine
-decay, optional bf16 compute (``--bf16``) and gradient accumulation without
-gradient sync on all but the last micro-batch (``--grad-accum``).
+decay, optional bf16 compute (``--bf16``), gradient accumulation without
+gradient sync on all but the last micro-batch (``--grad-accum``) and
+``torch.compile`` of each block before it is sharded (``--compile``).
 
 The run folder (``--run-dir``, default ``runs/<timestamp>``) receives
 ``config.json``, ``metrics.jsonl`` (one line per step), ``loss.png``,
@@ -111,6 +113,15 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--max-grad-norm", type=float, default=1.0, help="0: no clipping")
     train.add_argument(
         "--bf16", action="store_true", help="compute in bf16, reduce gradients in fp32"
+    )
+    train.add_argument(
+        "--compile",
+        nargs="?",
+        const="inductor",
+        metavar="BACKEND",
+        help="torch.compile each block before fully_shard, with this backend (default when "
+        "given: inductor; aot_eager compiles faster). The first step includes compiling; "
+        "sampling runs eagerly",
     )
     train.add_argument("--seed", type=int, default=0, help="model init, data order, sampling")
 
@@ -464,6 +475,10 @@ class Trainer:
                 param_dtype=torch.bfloat16, reduce_dtype=torch.float32
             )
         for block in model.layers:
+            if self.args.compile:
+                # torchtitan's order: each block's forward becomes one graph;
+                # fsdp2's hooks run eagerly around it.
+                block.compile(backend=self.args.compile)
             fsdp2.fully_shard(block, mesh=mesh, mp_policy=mp_policy)
         fsdp2.fully_shard(model, mesh=mesh, mp_policy=mp_policy)
         model.to_empty(device=self.device)
@@ -644,7 +659,9 @@ class Trainer:
             return None
         prompt = torch.tensor([list(self.args.prompt.encode())], device=self.device)
         generator = torch.Generator().manual_seed(self.args.seed)
-        with torch.no_grad():  # every group, root included, reshards right after
+        # no_grad: every group, root included, reshards right after each forward.
+        # force_eager: under --compile, each new context length would compile the blocks again.
+        with torch.no_grad(), torch.compiler.set_stance("force_eager"):
             tokens = self.model.generate(
                 prompt,
                 self.args.sample_tokens,
@@ -690,7 +707,8 @@ class Trainer:
             f"{self.world_size} x {self.device.type} ranks, "
             f"{args.global_batch} x {args.seq_len} tokens per step"
             f"{f' in {args.grad_accum} micro-batches' if args.grad_accum > 1 else ''}, "
-            f"{'bf16' if args.bf16 else 'fp32'}, {args.steps} steps\n"
+            f"{'bf16' if args.bf16 else 'fp32'}, "
+            f"{f'blocks compiled ({args.compile}), ' if args.compile else ''}{args.steps} steps\n"
             f"run folder: {self.run_dir}"
         )
 

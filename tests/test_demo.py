@@ -118,6 +118,19 @@ def test_bf16_grad_accum_tied(tmp_path: Path) -> None:
     assert train.latest_checkpoint(run_dir) == run_dir / "checkpoints" / "step_000006"
 
 
+@pytest.mark.distributed
+def test_compile_trains_like_eager(full_run: Path, tmp_path: Path) -> None:
+    """--compile: the blocks compiled (aot_eager, which compiles in seconds where
+    inductor takes tens) train with the uncompiled run's losses."""
+    run_dir = tmp_path / "run"
+    argv = [*TINY, "--nproc", "2", "--run-dir", str(run_dir), "--compile", "aot_eager"]
+    train.main([*argv, "--ckpt-every", "0", "--sample-tokens", "0"])
+    compiled, reference = losses(run_dir), losses(full_run)
+    assert sorted(compiled) == list(range(1, 13))
+    for step, loss in compiled.items():
+        assert math.isclose(loss, reference[step], rel_tol=1e-5), (step, loss, reference[step])
+
+
 # -- argument errors: status 2 and a message, before any process group --------
 
 
