@@ -224,7 +224,7 @@ def _check_versions_untouched(model: nn.Module) -> None:
     (eager or compiled) saves it in forward and checks it in backward."""
     states = {fsdp2.fully_shard.state(m) for m in model.modules()} - {None}
     for state in states:
-        for fsdp_param in state.param_group.fsdp_params if state.param_group else ():
+        for fsdp_param in (p for group in state.param_groups for p in group.fsdp_params):
             version = fsdp_param.unsharded_param._version
             assert version == 0, f"{fsdp_param.fqn}: unsharded parameter at version {version}"
 
