@@ -22,7 +22,7 @@ import torch.distributed as dist
 from .comm import CommContext, InFlight
 from .custom_comm import AllGather, ReduceScatter, allocate
 from .param import FSDPParam
-from .private_api import chunk_cat_
+from .private_api import chunk_cat_, profiled
 
 
 class AllGatherInFlight(NamedTuple):
@@ -173,9 +173,10 @@ def reduce_scatter(
     nonempty = [g if p.shard_dim == 0 else p.rank_major(g, world_size) for p, g in sharded]
     nonempty = [g for g in nonempty if g.numel() > 0]
     if nonempty:
-        chunk_cat_(nonempty, world_size, out=reduce_scatter_input)
-        if pre_divide:
-            reduce_scatter_input.div_(divisor)
+        with profiled("reduce_scatter_copy_in", group_name):
+            chunk_cat_(nonempty, world_size, out=reduce_scatter_input)
+            if pre_divide:
+                reduce_scatter_input.div_(divisor)
     in_flight = []
     if sharded and world_size > 1:
         in_flight.append(

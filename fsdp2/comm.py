@@ -29,6 +29,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from .private_api import profiled
 from .stats import CollectiveStats, CommStats
 
 
@@ -51,6 +52,12 @@ class InFlight(NamedTuple):
         return self.event is None or self.event.query()
 
     def wait(self) -> None:
+        if self.work is None and self.event is None:
+            return  # nothing was issued (a world of one)
+        with profiled("wait", self.label):
+            self._wait()
+
+    def _wait(self) -> None:
         start = time.perf_counter() if self.stats is not None else 0.0
         ready = self.stats is not None and self.is_completed()
         if self.work is not None:
@@ -103,7 +110,7 @@ class CommContext:
             stats = self.stats.record(group_name, kind)
             stats.count += 1
             stats.bytes += nbytes
-        with torch.profiler.record_function(f"fsdp2::{kind} ({group_name})"):
+        with profiled(kind, group_name):
             if not self.uses_streams:
                 return InFlight(collective(True), None, label, stats)
             stream = self._stream(kind)

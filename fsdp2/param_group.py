@@ -43,7 +43,7 @@ from .collectives import (
 from .common import MeshInfo, ShardedState, TrainingState, eager_hook
 from .custom_comm import AllGather, ReduceScatter
 from .param import FSDPParam
-from .private_api import map_tensors, outside_functorch, tensors_in
+from .private_api import map_tensors, outside_functorch, profiled, tensors_in
 
 if TYPE_CHECKING:
     from .state import RootContext
@@ -114,6 +114,10 @@ class FSDPParamGroup:
         """Starts the all-gather, unless it is in flight or the group is unsharded."""
         if self._all_gather is not None or self.sharded_state is ShardedState.UNSHARDED:
             return
+        with profiled("all_gather_copy_in", self.name):
+            self._start_all_gather()
+
+    def _start_all_gather(self) -> None:
         if self.sharded_state is ShardedState.SHARDED_POST_FORWARD:
             info = self._post_forward_info()
             shard = self._post_forward_shard
@@ -159,7 +163,7 @@ class FSDPParamGroup:
         if (check := self.ctx.order_check) is not None:
             in_training = torch.is_grad_enabled() or self.ctx.final_callback_queued
             check.record("all-gather", self, in_training)
-        with torch.profiler.record_function(f"fsdp2::all_gather_copy_out ({self.name})"):
+        with profiled("all_gather_copy_out", self.name):
             outputs = [out for p in self.sharded_params for out in p.all_gather_outputs(world_size)]
             copy_out(self._all_gather, outputs)
             for fsdp_param in self.sharded_params:
@@ -302,7 +306,7 @@ class FSDPParamGroup:
         """Reduce-scatters the gradients of this backward (or keeps them, without
         gradient sync) and reshards."""
         self.training_state = TrainingState.POST_BACKWARD
-        with torch.profiler.record_function(f"fsdp2::post_backward ({self.name})"):
+        with profiled("post_backward", self.name):
             if not self.requires_gradient_sync:
                 for fsdp_param in self.fsdp_params:
                     fsdp_param.keep_unsynced_grad()

@@ -20,9 +20,11 @@ see [Note: one group, several modules].
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -38,6 +40,7 @@ from .private_api import (
     in_backward,
     local_tensor,
     map_tensors,
+    profiled,
     queue_backward_callback,
     tensors_in,
 )
@@ -159,10 +162,12 @@ class RootContext:
     def _assign(self, group: FSDPParamGroup, reduced: ReduceInFlight) -> None:
         """Averages a finished reduction, runs the group's all-reduce hook on it
         (``set_all_reduce_hook``) and accumulates the sharded gradients."""
-        average(reduced)
-        if group.all_reduce_hook is not None:
-            self.comm.run_hook(group.all_reduce_hook, reduced.output, group.all_reduce_hook_stream)
-        assign_sharded_grads(reduced)
+        with profiled("assign_grads", group.name):
+            average(reduced)
+            if group.all_reduce_hook is not None:
+                hook, stream = group.all_reduce_hook, group.all_reduce_hook_stream
+                self.comm.run_hook(hook, reduced.output, stream)
+            assign_sharded_grads(reduced)
 
     def start_forward(self) -> None:
         """A new iteration's forward begins (the outermost forward pre-hook).
@@ -197,7 +202,7 @@ class RootContext:
     @eager_hook
     def _final_callback(self) -> None:
         logger.debug("final callback: finishing backward")
-        with torch.profiler.record_function("fsdp2::final_callback"):
+        with profiled("final_callback"):
             # Reverse pre-order approximates backward order for the stragglers.
             for state in reversed(self.states):
                 # Empty unless a forward was left open: the outermost forward closes them.
@@ -220,6 +225,21 @@ class RootContext:
             self.final_callback_queued = False
             if self.comm.stats is not None:
                 self.comm.stats.end_step()
+
+
+def _profiled(name: str) -> Callable[[Callable], Callable]:
+    """Runs a hook inside a profiler range (``fsdp2::pre_forward`` ...) while a
+    profiler runs, so that profiles show the hooks' own time."""
+
+    def decorate(hook: Callable) -> Callable:
+        @functools.wraps(hook)
+        def in_range(*args: Any, **kwargs: Any) -> Any:
+            with profiled(name):
+                return hook(*args, **kwargs)
+
+        return in_range
+
+    return decorate
 
 
 def get_fsdp_state(module: nn.Module) -> FSDPState | None:
@@ -344,6 +364,7 @@ class FSDPState:
     # -- forward ----------------------------------------------------------
 
     @eager_hook
+    @_profiled("pre_forward")
     def _pre_forward(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -397,6 +418,7 @@ class FSDPState:
         return output
 
     @eager_hook
+    @_profiled("post_forward")
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         if in_backward():  # recomputation: the group reshards after its backward
             return self._cast_output(output)
@@ -424,6 +446,7 @@ class FSDPState:
     # -- backward ---------------------------------------------------------
 
     @eager_hook
+    @_profiled("pre_backward")
     def _pre_backward(self, grad: torch.Tensor) -> None:
         self.ctx.queue_final_callback()
         explicit = bool(self.backward_prefetch)

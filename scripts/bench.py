@@ -35,6 +35,9 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.testing._internal.distributed._tensor.common_dtensor import ModelArgs, Transformer
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from budget import print_budget, profile_budget, record  # noqa: E402 (the script's folder)
+
 CONTENDERS = ("fsdp2", "torch", "ddp", "floor")
 
 
@@ -69,6 +72,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="default: each FSDP's own (torch: backward only); explicit: both get the "
         "same lists, block i prefetches block i+1 in forward and i-1 in backward",
     )
+    p.add_argument(
+        "--foreach",
+        choices=("default", "true"),
+        default="default",
+        help="AdamW's implementation for every contender: default (a loop over the "
+        "parameters on CPU) or foreach=True (one multi-tensor op per update)",
+    )
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="also profile fsdp2 and DDP and print where a step's time goes (slowest rank)",
+    )
+    p.add_argument("--profile-steps", type=int, default=4)
     p.add_argument("--json", help="also write the results to this file")
     args = p.parse_args(argv)
     if args.world_size < 1:
@@ -193,7 +209,10 @@ def worker(rank: int, args: argparse.Namespace, store: str, result_path: str) ->
         "ddp": nn.parallel.DistributedDataParallel(build_model(args)),
         "floor": build_model(args),
     }
-    optims = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, m in models.items()}
+    foreach = True if args.foreach == "true" else None
+    optims = {
+        k: torch.optim.AdamW(m.parameters(), lr=1e-4, foreach=foreach) for k, m in models.items()
+    }
     loss_fn = nn.CrossEntropyLoss()
 
     def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -204,12 +223,15 @@ def worker(rank: int, args: argparse.Namespace, store: str, result_path: str) ->
     def train_step(name: str, step: int) -> float:
         x, y = batch(step)
         autocast = bf16 and name in ("ddp", "floor")
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        with record("forward"), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             out = models[name](x)
-        loss = loss_fn(out.float().reshape(-1, out.size(-1)), y.reshape(-1))
-        loss.backward()
-        optims[name].step()
-        optims[name].zero_grad(set_to_none=True)
+        with record("loss"):
+            loss = loss_fn(out.float().reshape(-1, out.size(-1)), y.reshape(-1))
+        with record("backward"):
+            loss.backward()
+        with record("optimizer"):
+            optims[name].step()
+            optims[name].zero_grad(set_to_none=True)
         return loss.item()
 
     # Warm-up, then one step per contender counted for bytes.
@@ -249,6 +271,15 @@ def worker(rank: int, args: argparse.Namespace, store: str, result_path: str) ->
 
     peak = {name: peak_memory(train_step, name, models[name], optims[name]) for name in CONTENDERS}
 
+    budgets = {}
+    if args.profile:
+        for name in ("fsdp2", "ddp"):
+            dist.barrier()
+            mine = profile_budget(lambda i, n=name: train_step(n, i), args.profile_steps)
+            every = [None] * args.world_size
+            dist.all_gather_object(every, mine)
+            budgets[name] = max(every, key=lambda b: b["step"])  # the slowest rank's
+
     expected = theoretical_bytes(models["floor"], args.reshard_after_forward, 2 if bf16 else 4)
     exposed = torch.tensor([statistics.median(waits)], dtype=torch.float64)
     dist.all_reduce(exposed, op=dist.ReduceOp.MAX)
@@ -263,6 +294,7 @@ def worker(rank: int, args: argparse.Namespace, store: str, result_path: str) ->
             "fsdp2_exposed_comm_s": exposed.item(),
             "theoretical_comm_bytes": expected,
             "final_loss": {k: v[-1] for k, v in losses.items()},
+            "budget_ms": budgets,
         }
         with open(result_path, "w") as f:
             json.dump(result, f)
@@ -291,7 +323,8 @@ def report(result: dict) -> None:
     table = Table(
         title=f"{a['world_size']} gloo ranks, transformer dim {a['dim']} x {a['layers']} layers, "
         f"batch {a['batch']}x{a['seq']} per rank, {a['steps']} interleaved steps, "
-        f"mp {a['mp']}, prefetch {a['prefetch']}, reshard after forward {a['reshard_after_forward']}"
+        f"mp {a['mp']}, prefetch {a['prefetch']}, reshard after forward {a['reshard_after_forward']}, "
+        f"AdamW foreach {a['foreach']}"
     )
     for col in (
         "contender",
@@ -348,6 +381,12 @@ def main(argv: list[str] | None = None) -> None:
         with open(result_path) as f:
             result = json.load(f)
     report(result)
+    if result["budget_ms"]:
+        print_budget(
+            result["budget_ms"],
+            f"where a step goes: {args.profile_steps} profiled steps, the slowest rank of each "
+            "(profiling slows every row)",
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
