@@ -237,11 +237,16 @@ def _check_spmd_param(fqn: str, param: nn.Parameter, spmd: SpmdAxes) -> None:
                 f"{param.placements[axis]} for {fqn!r}: with dp_mesh_dims, fsdp2 shards the "
                 "parameters over the data-parallel axes itself."
             )
+    _check_shard_or_replicate(fqn, param)
+
+
+def _check_shard_or_replicate(fqn: str, param: DTensor) -> None:
     unsupported = [p for p in param.placements if type(p) not in (Shard, Replicate)]
     if unsupported:
         raise ValueError(
-            f"fully_shard: parameter {fqn!r} is placed {param.placements}; only Shard(dim) and "
-            "Replicate() placements can be sharded further. Redistribute it first."
+            f"fully_shard: parameter {fqn!r} is a DTensor placed {param.placements}; only "
+            "Shard(dim) and Replicate() tensor-parallel placements can be sharded further. "
+            "Redistribute it to Shard or Replicate before fully_shard."
         )
 
 
@@ -260,13 +265,7 @@ def _check_tp_param(fqn: str, param: DTensor, mesh: DeviceMesh) -> None:
             "parallelism, parallelize over mesh['tp'] and shard over mesh['dp'] of one 2D mesh; "
             "otherwise pass plain tensors."
         )
-    unsupported = [p for p in param.placements if type(p) not in (Shard, Replicate)]
-    if unsupported:
-        raise ValueError(
-            f"fully_shard: parameter {fqn!r} is a DTensor placed {param.placements}; only "
-            "Shard(dim) and Replicate() tensor-parallel placements can be sharded further. "
-            "Redistribute it to Shard or Replicate before fully_shard."
-        )
+    _check_shard_or_replicate(fqn, param)
     if param.device_mesh.device_type != mesh.device_type:
         raise ValueError(
             f"fully_shard: parameter {fqn!r} is a DTensor on a {param.device_mesh.device_type} "

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 from datetime import timedelta
 from multiprocessing.connection import wait
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -176,6 +176,31 @@ def fake_world(world_size: int, rank: int = 0) -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
+
+
+class Call(NamedTuple):
+    output: torch.Tensor
+    input: torch.Tensor
+    group: dist.ProcessGroup | None
+
+
+@contextlib.contextmanager
+def recorded(name: str) -> Iterator[list[Call]]:
+    """Records each call of ``torch.distributed.<name>`` (``all_gather_single``,
+    ``reduce_scatter_single``) made while active: fsdp2 looks them up at call
+    time, torch's fully_shard calls others."""
+    calls: list[Call] = []
+    original = getattr(dist, name)
+
+    def recording(output, input, *args, **kwargs):
+        calls.append(Call(output, input, kwargs.get("group")))
+        return original(output, input, *args, **kwargs)
+
+    setattr(dist, name, recording)
+    try:
+        yield calls
+    finally:
+        setattr(dist, name, original)
 
 
 @contextlib.contextmanager

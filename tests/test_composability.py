@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from dist import fake_world, labelled, run_ranks
+from dist import fake_world, labelled, recorded, run_ranks
 from models import (
     build_model,
     full_params,
@@ -205,19 +205,10 @@ def _cast_after_sharding(rank: int, world_size: int) -> None:
         bf16 = torch.bfloat16
         policy = fsdp2.MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16)
         model = shard_model(build_model("mlp").to(bf16), mp_policy=policy).to(torch.float32)
-        reduced_dtypes = []
-        reduce_scatter = dist.reduce_scatter_single
-
-        def recording(output, input, *args, **kwargs):
-            reduced_dtypes.append(input.dtype)
-            return reduce_scatter(output, input, *args, **kwargs)
-
-        dist.reduce_scatter_single = recording
-        try:
+        with recorded("reduce_scatter_single") as calls:
             inputs, targets = local_batch(global_batch("mlp", 0), rank, world_size)
             mean_loss(model, inputs, targets).backward()
-        finally:
-            dist.reduce_scatter_single = reduce_scatter
+        reduced_dtypes = [call.input.dtype for call in calls]
         assert set(reduced_dtypes) == {bf16}, reduced_dtypes
         for name, param in model.named_parameters():
             assert param.dtype == param.grad.dtype == torch.float32, name

@@ -8,8 +8,6 @@ travels as bytes. See [Note: all-gather extensions] in extension.py.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from dist import fake_world, labelled, run_ranks
+from dist import fake_world, labelled, recorded, run_ranks
 from quantized import RowQuantized
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
@@ -59,22 +57,6 @@ class Model(nn.Module):
         return self.head(x)
 
 
-@contextlib.contextmanager
-def all_gather_dtypes() -> Iterator[list[torch.dtype]]:
-    seen: list[torch.dtype] = []
-    original = dist.all_gather_single
-
-    def recording(output, input, *args, **kwargs):
-        seen.append(output.dtype)
-        return original(output, input, *args, **kwargs)
-
-    dist.all_gather_single = recording
-    try:
-        yield seen
-    finally:
-        dist.all_gather_single = original
-
-
 def _dequantized(t: torch.Tensor) -> torch.Tensor:
     local = t.to_local() if isinstance(t, DTensor) else t
     return local.dequantize() if isinstance(local, RowQuantized) else local
@@ -105,9 +87,10 @@ def _quantized_training(rank: int, world_size: int) -> None:
                 x, y = torch.randn(8, DIM, generator=gen), torch.randn(8, OUT, generator=gen)
                 ref_loss = F.mse_loss(ref(x), y)
                 ref_loss.backward()
-                with all_gather_dtypes() as dtypes:
+                with recorded("all_gather_single") as calls:
                     loss = F.mse_loss(model(x.chunk(world_size)[rank]), y.chunk(world_size)[rank])
                     loss.backward()
+                dtypes = [call.output.dtype for call in calls]
                 total = loss.detach().clone()
                 dist.all_reduce(total)
                 assert_close(total / world_size, ref_loss.detach(), **REF_TOL)

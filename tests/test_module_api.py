@@ -10,10 +10,8 @@ sharing their communication context.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from dist import fake_world, labelled, run_ranks
+from dist import fake_world, labelled, recorded, run_ranks
 from models import (
     MLP_DIMS,
     build_model,
@@ -46,23 +44,6 @@ SAME = {"rtol": 0.0, "atol": 0.0}
 
 def _fsdp_modules(model: nn.Module) -> list[fsdp2.FSDPModule]:
     return [m for m in model.modules() if isinstance(m, fsdp2.FSDPModule)]
-
-
-@contextlib.contextmanager
-def _recording(name: str) -> Iterator[list[tuple[torch.Tensor, dist.ProcessGroup]]]:
-    """Records (buffer, group) of each ``dist.<name>`` call fsdp2 makes."""
-    calls: list[tuple[torch.Tensor, dist.ProcessGroup]] = []
-    original = getattr(dist, name)
-
-    def recording(output, input, *args, **kwargs):
-        calls.append((output, kwargs.get("group")))
-        return original(output, input, *args, **kwargs)
-
-    setattr(dist, name, recording)
-    try:
-        yield calls
-    finally:
-        setattr(dist, name, original)
 
 
 def _check_grads_equal(model: nn.Module, other: nn.Module, tol: dict = SAME) -> None:
@@ -170,7 +151,7 @@ def _unshard_in_backward(rank: int, world_size: int) -> None:
         ref_loss.backward()
         counts = []
         for model in models:
-            with _recording("all_gather_single") as calls:
+            with recorded("all_gather_single") as calls:
                 loss = mean_loss(model, *local_batch(batch, rank, world_size))
                 loss.backward()
             counts.append(len(calls))
@@ -332,9 +313,9 @@ def _in_flight_and_groups(rank: int, world_size: int) -> None:
         default = shard_model(build_model("mlp"))
         separate = shard_model(build_model("mlp"))
         separate.set_separate_reduce_scatter_group()
-        with _recording("reduce_scatter_single") as calls:
+        with recorded("reduce_scatter_single") as calls:
             _train_pair(rank, world_size, [default, separate])
-        groups = {id(group) for _, group in calls}
+        groups = {id(call.group) for call in calls}
         assert len(groups) == 2, "the default model's group and the separate one"
         shard_group = separate.layers[0]._fsdp_state.mesh_info.shard_group
         rs_group = separate.layers[0]._fsdp_state.param_groups[0].reduce_scatter_group

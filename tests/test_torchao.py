@@ -14,17 +14,14 @@ the same model and data (2 gloo ranks):
 
 from __future__ import annotations
 
-import contextlib
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from dist import labelled, run_ranks
+from dist import labelled, recorded, run_ranks
 from torch.distributed.fsdp import fully_shard as torch_fully_shard  # the reference only
 from torch.testing import assert_close
 
@@ -93,23 +90,6 @@ def _shard(model: nn.Module, fully_shard) -> nn.Module:
     return model
 
 
-@contextlib.contextmanager
-def _all_gathers() -> Iterator[list[tuple[torch.dtype, int]]]:
-    """(dtype, bytes) of fsdp2's all-gather buffers while active."""
-    seen: list[tuple[torch.dtype, int]] = []
-    original = dist.all_gather_single
-
-    def recording(output, input, *args, **kwargs):
-        seen.append((output.dtype, output.numel() * output.element_size()))
-        return original(output, input, *args, **kwargs)
-
-    dist.all_gather_single = recording
-    try:
-        yield seen
-    finally:
-        dist.all_gather_single = original
-
-
 def _train_both(rank: int, models: tuple[nn.Module, nn.Module], out_dim: int):
     """Three AdamW steps of both models on this rank's slice; per-step losses
     and fsdp2's all-gathers of each step."""
@@ -128,11 +108,13 @@ def _train_both(rank: int, models: tuple[nn.Module, nn.Module], out_dim: int):
         y = torch.randn(4 * WORLD_SIZE, out_dim, generator=gen).chunk(WORLD_SIZE)[rank]
         step_losses = []
         for i, model in enumerate(models):
-            with _all_gathers() if i == 0 else contextlib.nullcontext([]) as seen:
+            with recorded("all_gather_single") as calls:
                 loss = F.mse_loss(model(x), y)
                 loss.backward()
-            if i == 0:
-                gathers.append(seen)
+            if i == 0:  # fsdp2's (torch's fully_shard calls another collective)
+                gathers.append(
+                    [(c.output.dtype, c.output.numel() * c.output.element_size()) for c in calls]
+                )
             step_losses.append(loss.detach())
         losses.append(step_losses)
         for optim in optims:
