@@ -54,9 +54,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument(
         "--reshard-after-forward",
-        choices=("default", "true", "false"),
+        type=reshard_policy,
         default="default",
-        help="policy for both FSDP contenders (default: True except the root)",
+        help="policy for both FSDP contenders: default (True except the root), true, false, "
+        "or an int N (reshard to groups of N ranks; 1 < N < world size, dividing it)",
     )
     p.add_argument(
         "--mp",
@@ -89,9 +90,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.world_size < 1:
         p.error("--world-size must be at least 1")
+    n = args.reshard_after_forward
+    if isinstance(n, int) and not (1 < n < args.world_size and args.world_size % n == 0):
+        p.error(
+            f"--reshard-after-forward {n} must divide --world-size {args.world_size} and lie "
+            "strictly between 1 and it"
+        )
     if args.dim % args.heads:
         p.error(f"--dim {args.dim} must be divisible by --heads {args.heads}")
     return args
+
+
+def reshard_policy(value: str) -> str | int:
+    if value in ("default", "true", "false"):
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{value!r}: expected default, true, false or an int"
+        ) from None
 
 
 def build_model(args: argparse.Namespace) -> nn.Module:
@@ -110,8 +128,9 @@ def build_model(args: argparse.Namespace) -> nn.Module:
 
 def shard(model: nn.Module, fully_shard, mesh, args: argparse.Namespace, mp_policy) -> nn.Module:
     kwargs = {} if mp_policy is None else {"mp_policy": mp_policy}
-    if args.reshard_after_forward != "default":
-        kwargs["reshard_after_forward"] = args.reshard_after_forward == "true"
+    policy = args.reshard_after_forward
+    if policy != "default":
+        kwargs["reshard_after_forward"] = policy if isinstance(policy, int) else policy == "true"
     for block in model.layers:
         fully_shard(block, mesh=mesh, **kwargs)
     fully_shard(model, mesh=mesh, **kwargs)
@@ -147,37 +166,69 @@ class CommCounter:
 
 
 def theoretical_bytes(
-    model: nn.Module, reshard_after_forward: str, gather_itemsize: int
+    model: nn.Module, reshard_after_forward: str | int, gather_itemsize: int
 ) -> dict[str, int]:
     """Unpadded volume of one step: every parameter all-gathered in forward (in
     ``gather_itemsize`` bytes per element), the blocks' again in backward when
-    they reshard (the root never does by default), every gradient
-    reduce-scattered (in the parameters' dtype)."""
+    they reshard (the root never does by default; with an int, from the
+    smaller groups), every gradient reduce-scattered (in the parameters' dtype)."""
     root = block = 0
     for fqn, param in model.named_parameters():
         if fqn.startswith("layers."):
             block += param.numel()
         else:
             root += param.numel()
-    regathered = {"default": block, "true": block + root, "false": 0}[reshard_after_forward]
+    policy = "true" if isinstance(reshard_after_forward, int) else reshard_after_forward
+    regathered = {"default": block, "true": block + root, "false": 0}[policy]
     return {
         "all_gather_single": (root + block + regathered) * gather_itemsize,
         "reduce_scatter_single": (root + block) * 4,
     }
 
 
-def implied_peak_bytes(model: nn.Module, floor_peak: int, world_size: int) -> int:
-    """The least memory an FSDP step can peak at, from the sizes: sharded
-    parameters, gradients and AdamW's two states; the root's unsharded
-    parameters and gradients (kept from forward to backward) plus two blocks'
-    (the one computing and the one prefetched) and one block's gradients; and
-    the activations, taken as the floor contender's peak minus its four
-    full-size copies of the parameters."""
-    block = sum(p.numel() * p.element_size() for p in model.layers[0].parameters())
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
-    root = total - block * len(model.layers)
-    activations = floor_peak - 4 * total
-    return 4 * total // world_size + 2 * root + 2 * block + block + activations
+def step_transient_bytes(args: argparse.Namespace, dtype: torch.dtype) -> int:
+    """What one step of the unsharded model, computing in ``dtype`` (as FSDP's
+    unsharded parameters do), holds at its peak beyond its parameters: the
+    activations, the backward's temporaries and the gradients alive then."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    model = build_model(args).to(dtype)
+    tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1))
+    tracker = MemTracker()
+    tracker.track_external(model)
+    with tracker:
+        start = sum(d["Total"] for d in tracker.get_tracker_snapshot("current").values())
+        out = model(tokens[:, :-1])
+        loss = nn.functional.cross_entropy(out.float().flatten(0, 1), tokens[:, 1:].flatten())
+        loss.backward()
+    peak = sum(d["Total"] for d in tracker.get_tracker_snapshot("peak").values())
+    return int(peak - start)
+
+
+def implied_peak_bytes(
+    model: nn.Module, transient: int, args: argparse.Namespace, param_dtype: torch.dtype
+) -> int:
+    """The least memory an FSDP step can peak at, from the sizes. The peak is in
+    the head's backward, when every activation is alive:
+
+        this rank's shards of the parameters and AdamW's two states (fp32)
+      + unsharded parameters that must be held then (in ``param_dtype``): the
+        root's (kept from forward, or gathered again for the head), and with
+        reshard False every block's, with an int N the blocks' post-forward
+        shards (1/N of them)
+      + the unsharded model's step transient (``step_transient_bytes``).
+
+    With reshard True or an int the root is sharded again while the loss is
+    computed, so the peak may be that moment's, up to ~2% below this.
+    """
+    itemsize = param_dtype.itemsize
+    block = sum(p.numel() for p in model.layers[0].parameters())
+    total = sum(p.numel() for p in model.parameters())
+    blocks = block * len(model.layers)
+    policy = args.reshard_after_forward
+    held_blocks = {"false": blocks}.get(policy, 0) if isinstance(policy, str) else blocks // policy
+    held = (total - blocks + held_blocks) * itemsize
+    return 3 * total * 4 // args.world_size + held + transient
 
 
 def worker(rank: int, args: argparse.Namespace, store: str, result_path: str) -> None:
@@ -283,7 +334,9 @@ def worker(rank: int, args: argparse.Namespace, store: str, result_path: str) ->
     expected = theoretical_bytes(models["floor"], args.reshard_after_forward, 2 if bf16 else 4)
     exposed = torch.tensor([statistics.median(waits)], dtype=torch.float64)
     dist.all_reduce(exposed, op=dist.ReduceOp.MAX)
-    implied = implied_peak_bytes(models["floor"], peak["floor"], args.world_size)
+    param_dtype = torch.bfloat16 if bf16 else torch.float32
+    transient = step_transient_bytes(args, param_dtype)
+    implied = implied_peak_bytes(models["floor"], transient, args, param_dtype)
     if rank == 0:
         result = {
             "args": vars(args),
