@@ -19,9 +19,11 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from . import primitives
 from .comm import CommContext, InFlight
 from .custom_comm import AllGather, ReduceScatter, allocate
 from .param import FSDPParam
+from .primitives import Waitable
 from .private_api import chunk_cat_, profiled
 
 
@@ -107,7 +109,7 @@ def all_gather(
         "all_gather",
         group_name,
         all_gather_output.numel() * all_gather_output.element_size(),
-        lambda async_op: (dist.all_gather_single if custom is None else custom)(
+        lambda async_op: (primitives.all_gather_single if custom is None else custom)(
             all_gather_output, all_gather_input, group=group, async_op=async_op
         ),
     )
@@ -224,9 +226,9 @@ def _reduce_scatter(
     input: torch.Tensor,
     group: dist.ProcessGroup,
     async_op: bool,
-) -> dist.Work | None:
+) -> Waitable | None:
     if custom is None:
-        return dist.reduce_scatter_single(output, input, group=group, async_op=async_op)
+        return primitives.reduce_scatter_single(output, input, group, async_op)
     return custom(
         output_tensor=output,
         input_tensor=input,

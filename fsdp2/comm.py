@@ -29,6 +29,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from .primitives import Waitable
 from .private_api import profiled
 from .stats import CollectiveStats, CommStats
 
@@ -36,7 +37,7 @@ from .stats import CollectiveStats, CommStats
 class InFlight(NamedTuple):
     """A collective that has been issued but not yet waited for."""
 
-    work: dist.Work | None  # CPU: gloo's async work handle
+    work: Waitable | None  # CPU: the async work handle
     event: torch.Event | None  # accelerator: recorded on the comm stream after the collective
     label: str  # e.g. "all-gather of 'layers.3'", for errors
     stats: CollectiveStats | None  # where to record the wait, when recording
@@ -99,7 +100,7 @@ class CommContext:
         kind: str,
         group_name: str,
         nbytes: int,
-        collective: Callable[[bool], dist.Work | None],
+        collective: Callable[[bool], Waitable | None],
     ) -> InFlight:
         """Runs ``collective(async_op)``: on the comm stream of ``kind``
         ("all_gather" or "reduce_scatter") on accelerators, asynchronously on CPU.

@@ -42,6 +42,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from . import primitives
 from .policy import MixedPrecisionPolicy
 
 PRE_ALL_GATHER = "fsdp_pre_all_gather"
@@ -122,7 +123,7 @@ class AllGatherExtension:
             device = inputs[0].device if inputs else torch.device("cpu")
             local = torch.tensor(numels, dtype=torch.int64, device=device)
             gathered = torch.empty(world_size * len(numels), dtype=torch.int64, device=device)
-            dist.all_gather_single(gathered, local, group=process_group)
+            primitives.all_gather_single(gathered, local, process_group)
             numels = gathered.view(world_size, -1).amax(dim=0).tolist()
         self.slot_numels = numels
         self.slot_dtypes = [t.dtype for t in inputs]

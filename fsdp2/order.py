@@ -30,6 +30,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from . import primitives
+
 if TYPE_CHECKING:
     from .param_group import FSDPParamGroup
 
@@ -116,7 +118,7 @@ class ExecutionOrderCheck:
         mine = torch.tensor([*entry, numel], dtype=torch.int64, device=self._device)
         everyone = torch.empty(world_size * 3, dtype=torch.int64, device=self._device)
         try:
-            dist.all_gather_single(everyone, mine, group=process_group)
+            primitives.all_gather_single(everyone, mine, process_group)
         except RuntimeError as error:
             raise RuntimeError(
                 f"fsdp2 execution order check (rank {dist.get_rank()}): exchanging the "

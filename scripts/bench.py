@@ -143,23 +143,28 @@ def shard(model: nn.Module, fully_shard, mesh, args: argparse.Namespace, mp_poli
 
 
 class CommCounter:
-    """Counts bytes passed to the all-gather and reduce-scatter that both FSDPs call."""
+    """Counts bytes passed to each FSDP's all-gather and reduce-scatter:
+    torch's fully_shard calls ``torch.distributed``'s, fsdp2 its own
+    (``fsdp2.primitives``, which on gloo builds them from other collectives)."""
 
-    def __init__(self) -> None:
+    def __init__(self, fsdp2_primitives) -> None:
         self.bytes: dict[str, int] = defaultdict(int)
         self.active = False
-        self._orig = {}
-        for name in ("all_gather_single", "reduce_scatter_single"):
-            self._orig[name] = getattr(dist, name)
-            setattr(dist, name, self._wrap(name))
+        for module in (dist, fsdp2_primitives):
+            for name in ("all_gather_single", "reduce_scatter_single"):
+                setattr(module, name, self._wrap(name, getattr(module, name)))
 
-    def _wrap(self, name: str):
-        orig = self._orig[name]
-
+    def _wrap(self, name: str, orig):
         def counted(output, input, *a, **kw):
             if self.active:
                 big = output if name == "all_gather_single" else input
                 self.bytes[name] += big.numel() * big.element_size()
+                # fsdp2 on a backend without its own path calls dist's: once is enough.
+                self.active = False
+                try:
+                    return orig(output, input, *a, **kw)
+                finally:
+                    self.active = True
             return orig(output, input, *a, **kw)
 
         return counted
@@ -244,9 +249,10 @@ def worker(rank: int, args: argparse.Namespace, store: str, result_path: str) ->
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
     import fsdp2
+    import fsdp2.primitives
 
     mesh = init_device_mesh("cpu", (args.world_size,))
-    counter = CommCounter()
+    counter = CommCounter(fsdp2.primitives)
     bf16 = args.mp == "bf16"
     mp = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}
     policies = (

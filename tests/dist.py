@@ -186,21 +186,24 @@ class Call(NamedTuple):
 
 @contextlib.contextmanager
 def recorded(name: str) -> Iterator[list[Call]]:
-    """Records each call of ``torch.distributed.<name>`` (``all_gather_single``,
-    ``reduce_scatter_single``) made while active: fsdp2 looks them up at call
-    time, torch's fully_shard calls others."""
+    """Records each of fsdp2's collectives ``name`` (``all_gather_single``,
+    ``reduce_scatter_single``) made while active: every fsdp2 all-gather and
+    reduce-scatter goes through ``fsdp2.primitives`` and looks the name up at
+    call time; torch's fully_shard calls others."""
+    import fsdp2.primitives
+
     calls: list[Call] = []
-    original = getattr(dist, name)
+    original = getattr(fsdp2.primitives, name)
 
-    def recording(output, input, *args, **kwargs):
-        calls.append(Call(output, input, kwargs.get("group")))
-        return original(output, input, *args, **kwargs)
+    def recording(output, input, group, *args, **kwargs):
+        calls.append(Call(output, input, group))
+        return original(output, input, group, *args, **kwargs)
 
-    setattr(dist, name, recording)
+    setattr(fsdp2.primitives, name, recording)
     try:
         yield calls
     finally:
-        setattr(dist, name, original)
+        setattr(fsdp2.primitives, name, original)
 
 
 @contextlib.contextmanager

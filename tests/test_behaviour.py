@@ -2,9 +2,9 @@
 collectives run, what is unsharded when, inference, manual unshard/reshard,
 explicit prefetching and the FSDPModule class itself. All at world size 2.
 
-Collectives are counted by wrapping ``torch.distributed.all_gather_single`` and
-``reduce_scatter_single`` inside the rank processes: the engine looks them up
-on ``torch.distributed`` at call time.
+Collectives are counted by wrapping fsdp2's ``all_gather_single`` and
+``reduce_scatter_single`` (``tests/dist.py::recorded``) inside the rank
+processes.
 """
 
 from __future__ import annotations
@@ -17,9 +17,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
-from dist import labelled, run_ranks
+from dist import labelled, recorded, run_ranks
 from models import (
     build_model,
     fsdp_modules,
@@ -56,23 +55,9 @@ class CollectiveCounts:
 def count_collectives() -> Iterator[CollectiveCounts]:
     """Counts the engine's all-gathers and reduce-scatters while active."""
     counts = CollectiveCounts()
-    all_gather, reduce_scatter = dist.all_gather_single, dist.reduce_scatter_single
-
-    def counting_all_gather(*args, **kwargs):
-        counts.all_gathers += 1
-        return all_gather(*args, **kwargs)
-
-    def counting_reduce_scatter(*args, **kwargs):
-        counts.reduce_scatters += 1
-        return reduce_scatter(*args, **kwargs)
-
-    dist.all_gather_single = counting_all_gather
-    dist.reduce_scatter_single = counting_reduce_scatter
-    try:
+    with recorded("all_gather_single") as gathers, recorded("reduce_scatter_single") as reduces:
         yield counts
-    finally:
-        dist.all_gather_single = all_gather
-        dist.reduce_scatter_single = reduce_scatter
+        counts.all_gathers, counts.reduce_scatters = len(gathers), len(reduces)
 
 
 def _groups(model: nn.Module) -> Iterator[fsdp2.FSDPModule]:

@@ -22,6 +22,7 @@ import estimate  # noqa: E402
 import llama  # noqa: E402
 
 import fsdp2  # noqa: E402
+import fsdp2.primitives  # noqa: E402
 
 CONFIG = estimate.PRESETS["small"]
 BATCH, SEQ = 4, 64
@@ -48,7 +49,7 @@ def _measure(rank: int, world_size: int, out: str) -> None:
 
     step()  # optimizer states exist from here on, as in every later step
     sent = {"all_gather_single": 0, "reduce_scatter_single": 0}
-    originals = {name: getattr(dist, name) for name in sent}
+    originals = {name: getattr(fsdp2.primitives, name) for name in sent}
 
     def counting(name):
         def collective(output, input, *args, **kwargs):
@@ -59,7 +60,7 @@ def _measure(rank: int, world_size: int, out: str) -> None:
         return collective
 
     for name in sent:
-        setattr(dist, name, counting(name))
+        setattr(fsdp2.primitives, name, counting(name))
     tracker = MemTracker()
     tracker.track_external(model, optim)
     try:
@@ -67,7 +68,7 @@ def _measure(rank: int, world_size: int, out: str) -> None:
             step()
     finally:
         for name, original in originals.items():
-            setattr(dist, name, original)
+            setattr(fsdp2.primitives, name, original)
     peak = sum(d["Total"] for d in tracker.get_tracker_snapshot("peak").values())
     if rank == 0:
         Path(out).write_text(json.dumps({"peak": int(peak), **sent}))

@@ -40,9 +40,11 @@ NUM_STEPS = 5
 # last bits differ.
 REF_TOL = {"rtol": 1e-5, "atol": 1e-5}
 # Against torch's fully_shard: the same local computation on the same unsharded
-# parameters and the same reduce-scatter layout, so only the collective's
-# summation order could differ.
-TORCH_TOL = {"rtol": 1e-6, "atol": 0.0}
+# parameters and the same reduce-scatter layout; only the order in which the
+# ranks' gradients are summed differs (fsdp2 on gloo adds them in rank order,
+# torch's reduce-scatter is gloo's ring all-reduce), which on more than two
+# ranks moves the last bit, so sums that nearly cancel need an absolute floor.
+TORCH_TOL = {"rtol": 1e-6, "atol": 1e-7}
 
 
 def _check_sharded_params(model: nn.Module, ref: nn.Module, rank: int, world_size: int) -> None:

@@ -16,7 +16,6 @@ be injected (``block.fail_in``). The single-process tests use a "fake" world of
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
 import os
@@ -34,7 +33,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
-from dist import fake_world, labelled, run_ranks
+from dist import fake_world, labelled, recorded, run_ranks
 from models import global_mean, local_batch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
@@ -174,24 +173,6 @@ def params_close(model: nn.Module, ref: nn.Module) -> bool:
     )
 
 
-@contextlib.contextmanager
-def count_all_gathers() -> Iterator[list[int]]:
-    """Counts ``dist.all_gather_single`` calls (the engine's all-gathers and the
-    order check's) while active; the engine looks it up at call time."""
-    count = [0]
-    all_gather = dist.all_gather_single
-
-    def counting(*args, **kwargs):
-        count[0] += 1
-        return all_gather(*args, **kwargs)
-
-    dist.all_gather_single = counting
-    try:
-        yield count
-    finally:
-        dist.all_gather_single = all_gather
-
-
 def fsdp2_warnings(caught: list[warnings.WarningMessage]) -> list[str]:
     return [str(w.message) for w in caught if str(w.message).startswith("fsdp2")]
 
@@ -214,7 +195,7 @@ def _order_error_on_first_iteration(
         model.order = orders[rank]
         batch = local_batch(global_batch(0), rank, world_size)
         with (
-            count_all_gathers() as count,
+            recorded("all_gather_single") as count,
             pytest.raises(RuntimeError, match="execution order check") as error,
         ):
             train_step(model, make_optimizer(model), batch)
@@ -228,7 +209,7 @@ def _order_error_on_first_iteration(
     for r, block in enumerate(first_apart):
         assert f"rank {r}: all-gather of 'layers.{block}'" in message, message
     # 3 checks + 2 all-gathers (root, layers.0): nothing was gathered after the mismatch.
-    assert count[0] == 5, f"{count[0]} all_gather_single calls"
+    assert len(count) == 5, f"{len(count)} all_gather_single calls"
 
     # The error left the iteration half done; after a reset the next iteration
     # is checked as a first one again and passes when the ranks agree.
@@ -278,10 +259,10 @@ def _execution_order(rank: int, world_size: int) -> None:
     def step(i: int, order: list[int] | None, expected_all_gathers: int) -> None:
         model.order = order
         ref_loss = ref_step(ref, optims[0], i, [order] * world_size)
-        with count_all_gathers() as count:
+        with recorded("all_gather_single") as count:
             loss = train_step(model, optims[1], local_batch(global_batch(i), rank, world_size))
         assert_close(global_mean(loss, world_size), ref_loss, **TOL)
-        assert count[0] == expected_all_gathers, f"step {i}: {count[0]} all_gather_single calls"
+        assert len(count) == expected_all_gathers, f"step {i}: {len(count)} all_gather_single calls"
 
     with labelled("check on: later iterations warn once on deviation"):
         with warnings.catch_warnings(record=True) as caught:
@@ -733,7 +714,13 @@ def _dead_peer_worker(rank: int, world_size: int, tmp_dir: Path, fault: str) -> 
         pytest.param(
             "exit in backward", r"reduce-scatter of 'layers\.2'", "", id="exit-in-backward"
         ),
-        pytest.param("hang in forward", r"all-gather of 'layers\.[12]'", "Timed out", id="hang"),
+        # gloo's words depend on which of the all-gather's transfers gives up first.
+        pytest.param(
+            "hang in forward",
+            r"all-gather of 'layers\.[12]'",
+            "Timed out|Application timeout",
+            id="hang",
+        ),
     ],
 )
 def test_dead_peer_fails_within_timeout(
@@ -780,7 +767,7 @@ def test_dead_peer_fails_within_timeout(
         rf"fsdp2 \(rank 0\): the {collective} failed or timed out", outcome["message"]
     ), outcome
     assert "A peer rank may have died" in outcome["message"], outcome
-    assert gloo_says in outcome["message"], outcome
+    assert re.search(gloo_says, outcome["message"]), outcome["message"]
     timeout = FSDP_GROUP_TIMEOUT.total_seconds()
     assert outcome["elapsed"] < timeout + MARGIN_S, f"rank 0 took {outcome['elapsed']:.1f} s"
     n_params = len(list(build_net().parameters()))

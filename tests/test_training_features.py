@@ -52,6 +52,7 @@ from torch.testing._internal.distributed._tensor.common_dtensor import (
 )
 
 import fsdp2
+from fsdp2 import primitives
 from fsdp2.common import ShardedState
 
 WORLD_SIZE = 2
@@ -81,27 +82,27 @@ class Collective:
 def record_collectives() -> Iterator[list[Collective]]:
     """Records fsdp2's all-gathers and reduce-scatters while active."""
     log: list[Collective] = []
-    all_gather, reduce_scatter = dist.all_gather_single, dist.reduce_scatter_single
+    all_gather, reduce_scatter = primitives.all_gather_single, primitives.reduce_scatter_single
 
-    def record(kind: str, buffer: torch.Tensor, group: dist.ProcessGroup | None) -> None:
-        ranks = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
+    def record(kind: str, buffer: torch.Tensor, group: dist.ProcessGroup) -> None:
+        ranks = tuple(dist.get_process_group_ranks(group))
         log.append(Collective(kind, buffer.numel() * buffer.element_size(), buffer.dtype, ranks))
 
-    def recording_all_gather(output, input, *args, **kwargs):
-        record("all_gather", output, kwargs.get("group"))
-        return all_gather(output, input, *args, **kwargs)
+    def recording_all_gather(output, input, group, *args, **kwargs):
+        record("all_gather", output, group)
+        return all_gather(output, input, group, *args, **kwargs)
 
-    def recording_reduce_scatter(output, input, *args, **kwargs):
-        record("reduce_scatter", input, kwargs.get("group"))
-        return reduce_scatter(output, input, *args, **kwargs)
+    def recording_reduce_scatter(output, input, group, *args, **kwargs):
+        record("reduce_scatter", input, group)
+        return reduce_scatter(output, input, group, *args, **kwargs)
 
-    dist.all_gather_single = recording_all_gather
-    dist.reduce_scatter_single = recording_reduce_scatter
+    primitives.all_gather_single = recording_all_gather
+    primitives.reduce_scatter_single = recording_reduce_scatter
     try:
         yield log
     finally:
-        dist.all_gather_single = all_gather
-        dist.reduce_scatter_single = reduce_scatter
+        primitives.all_gather_single = all_gather
+        primitives.reduce_scatter_single = reduce_scatter
 
 
 def _of_kind(log: list[Collective], kind: str) -> list[Collective]:
