@@ -4,7 +4,7 @@ Every rank holds the four contenders (same model, same initial weights, same
 data) and runs their training steps interleaved, rotating the order every
 round, so drift of this shared machine hits all of them alike. Reported per
 contender: median step time (slowest rank) and its ratios to torch's
-fully_shard and to the floor, peak tensor memory of one step (a dispatch-mode
+fully_shard, DDP and the floor, peak tensor memory of one step (a dispatch-mode
 tracker, which works on CPU), bytes all-gathered / reduce-scattered per step
 against the theoretical volume, and fsdp2's exposed communication (time the
 training thread waited for a collective, from fsdp2.comm_stats; torch's
@@ -13,6 +13,7 @@ fully_shard has no such counter).
     python scripts/bench.py                    # defaults: 2 gloo ranks, ~1 minute
     python scripts/bench.py --json out.json --dim 512 --layers 8
     python scripts/bench.py --mp bf16 --prefetch explicit
+    python scripts/bench.py --torch-collectives  # + fsdp2 on torch's gloo collectives
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from budget import print_budget, profile_budget, record  # noqa: E402 (the script's folder)
 
 CONTENDERS = ("fsdp2", "torch", "ddp", "floor")
+# --torch-collectives: fsdp2's engine with torch's own all-gather and
+# reduce-scatter on gloo instead of fsdp2.primitives' ([Note: collectives on gloo]).
+TORCH_COLLECTIVES = "fsdp2, torch colls"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -86,6 +90,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="also profile fsdp2 and DDP and print where a step's time goes (slowest rank)",
     )
     p.add_argument("--profile-steps", type=int, default=4)
+    p.add_argument(
+        "--torch-collectives",
+        action="store_true",
+        help=f"also run '{TORCH_COLLECTIVES}': fsdp2 calling torch's all-gather and "
+        "reduce-scatter on gloo, to compare with fsdp2's own in the same interleaved run",
+    )
     p.add_argument("--json", help="also write the results to this file")
     args = p.parse_args(argv)
     if args.world_size < 1:
@@ -260,12 +270,18 @@ def worker(rank: int, args: argparse.Namespace, store: str, result_path: str) ->
         if bf16
         else (None, None)
     )
+    contenders = list(CONTENDERS)
     models = {
         "fsdp2": shard(build_model(args), fsdp2.fully_shard, mesh, args, policies[0]),
         "torch": shard(build_model(args), torch_fully_shard, mesh, args, policies[1]),
         "ddp": nn.parallel.DistributedDataParallel(build_model(args)),
         "floor": build_model(args),
     }
+    if args.torch_collectives:
+        contenders.insert(1, TORCH_COLLECTIVES)
+        models[TORCH_COLLECTIVES] = shard(
+            build_model(args), fsdp2.fully_shard, mesh, args, policies[0]
+        )
     foreach = True if args.foreach == "true" else None
     optims = {
         k: torch.optim.AdamW(m.parameters(), lr=1e-4, foreach=foreach) for k, m in models.items()
@@ -278,6 +294,16 @@ def worker(rank: int, args: argparse.Namespace, store: str, result_path: str) ->
         return tokens[:, :-1], tokens[:, 1:]
 
     def train_step(name: str, step: int) -> float:
+        if name != TORCH_COLLECTIVES:
+            return run_step(name, step)
+        gloo_path = fsdp2.primitives._on_gloo
+        fsdp2.primitives._on_gloo = lambda group, tensor: False
+        try:
+            return run_step(name, step)
+        finally:
+            fsdp2.primitives._on_gloo = gloo_path
+
+    def run_step(name: str, step: int) -> float:
         x, y = batch(step)
         autocast = bf16 and name in ("ddp", "floor")
         with record("forward"), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
@@ -293,7 +319,7 @@ def worker(rank: int, args: argparse.Namespace, store: str, result_path: str) ->
 
     # Warm-up, then one step per contender counted for bytes.
     for step in range(args.warmup):
-        for name in CONTENDERS:
+        for name in contenders:
             train_step(name, step)
     comm_bytes = {}
     for name in ("fsdp2", "torch"):
@@ -303,12 +329,12 @@ def worker(rank: int, args: argparse.Namespace, store: str, result_path: str) ->
         counter.active = False
         comm_bytes[name] = dict(counter.bytes)
 
-    times: dict[str, list[float]] = {k: [] for k in CONTENDERS}
-    losses: dict[str, list[float]] = {k: [] for k in CONTENDERS}
+    times: dict[str, list[float]] = {k: [] for k in contenders}
+    losses: dict[str, list[float]] = {k: [] for k in contenders}
     with fsdp2.comm_stats(models["fsdp2"]) as stats:
         for step in range(args.steps):
-            shift = step % len(CONTENDERS)
-            for name in CONTENDERS[shift:] + CONTENDERS[:shift]:
+            shift = step % len(contenders)
+            for name in contenders[shift:] + contenders[:shift]:
                 dist.barrier()
                 start = time.perf_counter()
                 losses[name].append(train_step(name, args.warmup + step))
@@ -321,12 +347,12 @@ def worker(rank: int, args: argparse.Namespace, store: str, result_path: str) ->
 
     # Slowest rank per step.
     slowest = {}
-    for name in CONTENDERS:
+    for name in contenders:
         t = torch.tensor(times[name], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         slowest[name] = t.tolist()
 
-    peak = {name: peak_memory(train_step, name, models[name], optims[name]) for name in CONTENDERS}
+    peak = {name: peak_memory(train_step, name, models[name], optims[name]) for name in contenders}
 
     budgets = {}
     if args.profile:
@@ -389,6 +415,7 @@ def report(result: dict) -> None:
         "contender",
         "step (ms)",
         "/ torch",
+        "/ DDP",
         "/ floor",
         "peak MiB",
         "/ torch",
@@ -396,12 +423,13 @@ def report(result: dict) -> None:
         "RS MiB",
     ):
         table.add_column(col, justify="right")
-    for name in CONTENDERS:
+    for name in times:  # the run's contenders, in order
         row_comm = comm.get(name, {})
         table.add_row(
             name,
             f"{1e3 * times[name]:.1f}",
             f"{times[name] / times['torch']:.3f}",
+            f"{times[name] / times['ddp']:.3f}",
             f"{times[name] / times['floor']:.3f}",
             f"{peak[name] / 2**20:.1f}",
             f"{peak[name] / peak['torch']:.3f}",
