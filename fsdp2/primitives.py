@@ -25,6 +25,17 @@ For CPU tensors on a gloo group fsdp2 runs instead:
   output (the all-gather input is that block), each written in place by gloo:
   no temporary, no copy.
 
+Every rank must take the same path for the same call, or the ranks would
+wait for different messages: the choice depends only on the group's backend,
+the tensors' device, the environment variable ``FSDP2_TORCH_COLLECTIVES=1``
+(torch's collectives everywhere, for tools that must see them) and whether ``dist.all_gather_single`` /
+``dist.reduce_scatter_single`` have been replaced (then the replacement is
+called, as torch's fully_shard would: torch's test helpers delay or count
+collectives that way, on every rank). It never depends on what a rank alone
+observes: under ``CommDebugMode``, entered on one rank or all, fsdp2's
+all-gather counts as W broadcasts and its reduce-scatter not at all (point
+to point is not counted there); ``fsdp2.comm_stats`` counts both.
+
 Per rank on 2 ranks, 12 MiB (3.1 M float32, a dim-512 block), CPU time of all
 of the process's threads: reduce-scatter 10.8 ms -> 5.8 ms, all-gather
 6.3 ms -> 4.0 ms; on 4 ranks 16.3 -> 5.7 and 7.6 -> 4.3 ms (see
@@ -35,6 +46,7 @@ collectives run.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Protocol
 
@@ -51,12 +63,20 @@ class Waitable(Protocol):
     def wait(self) -> bool: ...
 
 
+# torch's, as imported: a tool or test that replaces them (to count or delay
+# collectives) gets its replacement called.
+_TORCH_ALL_GATHER = dist.all_gather_single
+_TORCH_REDUCE_SCATTER = dist.reduce_scatter_single
+# Set in the environment of every rank: torch's collectives on gloo too.
+_TORCH_COLLECTIVES_ONLY = os.environ.get("FSDP2_TORCH_COLLECTIVES", "0") == "1"
+
+
 def all_gather_single(
     output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False
 ) -> Waitable | None:
     """Gathers every rank's ``input`` into ``output`` (1D or rank-major along
     dim 0), as ``dist.all_gather_single``."""
-    if _on_gloo(group, output):
+    if dist.all_gather_single is _TORCH_ALL_GATHER and _own_path(group, output):
         return _finish(_gloo_all_gather(output, input, group), async_op)
     return dist.all_gather_single(output, input, group=group, async_op=async_op)
 
@@ -66,13 +86,14 @@ def reduce_scatter_single(
 ) -> Waitable | None:
     """Sums ``input`` (1D, rank-major) over the ranks and leaves this rank's
     block in ``output``, as ``dist.reduce_scatter_single`` with ``ReduceOp.SUM``."""
-    if _on_gloo(group, input):
+    if dist.reduce_scatter_single is _TORCH_REDUCE_SCATTER and _own_path(group, input):
         return _finish(_gloo_reduce_scatter(output, input, group), async_op)
     return dist.reduce_scatter_single(output, input, group=group, async_op=async_op)
 
 
-def _on_gloo(group: dist.ProcessGroup, tensor: torch.Tensor) -> bool:
-    if tensor.device.type != "cpu":
+def _own_path(group: dist.ProcessGroup, tensor: torch.Tensor) -> bool:
+    """CPU tensors on a gloo group, unless ``FSDP2_TORCH_COLLECTIVES=1``."""
+    if tensor.device.type != "cpu" or _TORCH_COLLECTIVES_ONLY:
         return False
     backend = str(dist.get_backend(group))
     return backend == "gloo" or "cpu:gloo" in backend

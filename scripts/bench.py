@@ -19,6 +19,8 @@ fully_shard has no such counter).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import gc
 import json
 import os
@@ -27,6 +29,7 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
+from collections.abc import Iterator
 from datetime import timedelta
 
 import torch
@@ -152,32 +155,39 @@ def shard(model: nn.Module, fully_shard, mesh, args: argparse.Namespace, mp_poli
     return model
 
 
-class CommCounter:
-    """Counts bytes passed to each FSDP's all-gather and reduce-scatter:
-    torch's fully_shard calls ``torch.distributed``'s, fsdp2 its own
-    (``fsdp2.primitives``, which on gloo builds them from other collectives)."""
+@contextlib.contextmanager
+def replaced(module, wrap) -> Iterator[None]:
+    """Replaces ``module.all_gather_single`` and ``reduce_scatter_single`` by
+    ``wrap(name, original)`` while active."""
+    names = ("all_gather_single", "reduce_scatter_single")
+    originals = {name: getattr(module, name) for name in names}
+    for name, original in originals.items():
+        setattr(module, name, wrap(name, original))
+    try:
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(module, name, original)
 
-    def __init__(self, fsdp2_primitives) -> None:
-        self.bytes: dict[str, int] = defaultdict(int)
-        self.active = False
-        for module in (dist, fsdp2_primitives):
-            for name in ("all_gather_single", "reduce_scatter_single"):
-                setattr(module, name, self._wrap(name, getattr(module, name)))
 
-    def _wrap(self, name: str, orig):
-        def counted(output, input, *a, **kw):
-            if self.active:
-                big = output if name == "all_gather_single" else input
-                self.bytes[name] += big.numel() * big.element_size()
-                # fsdp2 on a backend without its own path calls dist's: once is enough.
-                self.active = False
-                try:
-                    return orig(output, input, *a, **kw)
-                finally:
-                    self.active = True
-            return orig(output, input, *a, **kw)
+def count_bytes(module, run) -> dict[str, int]:
+    """Bytes passed to ``module``'s all-gather (output) and reduce-scatter
+    (input) during ``run()``: ``torch.distributed`` for torch's fully_shard,
+    ``fsdp2.primitives`` for fsdp2 (which on gloo builds them from other
+    collectives)."""
+    counted: dict[str, int] = defaultdict(int)
 
-        return counted
+    def wrap(name, original):
+        def counting(output, input, *args, **kwargs):
+            big = output if name == "all_gather_single" else input
+            counted[name] += big.numel() * big.element_size()
+            return original(output, input, *args, **kwargs)
+
+        return counting
+
+    with replaced(module, wrap):
+        run()
+    return dict(counted)
 
 
 def theoretical_bytes(
@@ -262,7 +272,6 @@ def worker(rank: int, args: argparse.Namespace, store: str, result_path: str) ->
     import fsdp2.primitives
 
     mesh = init_device_mesh("cpu", (args.world_size,))
-    counter = CommCounter(fsdp2.primitives)
     bf16 = args.mp == "bf16"
     mp = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}
     policies = (
@@ -296,12 +305,10 @@ def worker(rank: int, args: argparse.Namespace, store: str, result_path: str) ->
     def train_step(name: str, step: int) -> float:
         if name != TORCH_COLLECTIVES:
             return run_step(name, step)
-        gloo_path = fsdp2.primitives._on_gloo
-        fsdp2.primitives._on_gloo = lambda group, tensor: False
-        try:
+        # fsdp2 calls torch's collectives once they are replaced ([Note:
+        # collectives on gloo]); these replacements only pass the call on.
+        with replaced(dist, lambda _, original: functools.partial(original)):
             return run_step(name, step)
-        finally:
-            fsdp2.primitives._on_gloo = gloo_path
 
     def run_step(name: str, step: int) -> float:
         x, y = batch(step)
@@ -321,13 +328,10 @@ def worker(rank: int, args: argparse.Namespace, store: str, result_path: str) ->
     for step in range(args.warmup):
         for name in contenders:
             train_step(name, step)
-    comm_bytes = {}
-    for name in ("fsdp2", "torch"):
-        counter.bytes.clear()
-        counter.active = True
-        train_step(name, 0)
-        counter.active = False
-        comm_bytes[name] = dict(counter.bytes)
+    comm_bytes = {
+        "fsdp2": count_bytes(fsdp2.primitives, lambda: train_step("fsdp2", 0)),
+        "torch": count_bytes(dist, lambda: train_step("torch", 0)),
+    }
 
     times: dict[str, list[float]] = {k: [] for k in contenders}
     losses: dict[str, list[float]] = {k: [] for k in contenders}

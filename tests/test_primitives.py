@@ -2,21 +2,27 @@
 in fsdp2/primitives.py) against torch's own, on 1 to 4 ranks.
 
 Inputs are small integers, so every sum is exact in any order and the results
-must be equal to torch's bit for bit; torch's collectives must not be called
-(the gloo path is taken), and a user's point-to-point messages on the same
-group while fsdp2's reduce-scatter is in flight must not be mixed up with its
-rows.
+must be equal to torch's bit for bit; fsdp2's path is seen to run (W
+broadcasts, W - 1 sends and receives), also under CommDebugMode on one rank;
+replaced torch collectives are called instead; and a user's point-to-point
+messages on the same group while fsdp2's reduce-scatter is in flight are not
+mixed up with its rows.
 """
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 from dist import labelled, run_ranks
+from torch.distributed.tensor.debug import CommDebugMode
 from torch.testing import assert_close
 
 from fsdp2 import primitives
+
+c10d_ops = torch.ops.c10d
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float64)
 
@@ -26,17 +32,32 @@ def _data(rank: int, numel: int, dtype: torch.dtype, salt: int) -> torch.Tensor:
     return torch.randint(-8, 8, (numel,), generator=gen).to(dtype)
 
 
-def _torch_forbidden(name: str):
-    def refuse(*args, **kwargs):
-        raise AssertionError(f"torch's {name} was called: the gloo path was not taken")
+@contextlib.contextmanager
+def _calls_of(*names: str) -> Iterator[dict[str, int]]:
+    """Counts calls of ``torch.distributed.<name>`` (the building blocks of
+    fsdp2's own path) while active."""
+    counts = dict.fromkeys(names, 0)
+    originals = {name: getattr(dist, name) for name in names}
 
-    return refuse
+    def counting(name):
+        def call(*args, **kwargs):
+            counts[name] += 1
+            return originals[name](*args, **kwargs)
+
+        return call
+
+    for name in names:
+        setattr(dist, name, counting(name))
+    try:
+        yield counts
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
 
 
 def _check_against_torch(rank: int, world_size: int) -> None:
     group = dist.group.WORLD
     shard_numel = 6  # per rank
-    torch_all_gather, torch_reduce_scatter = dist.all_gather_single, dist.reduce_scatter_single
     for salt, dtype in enumerate(DTYPES):
         for async_op in (True, False):
             with labelled(f"{dtype}, async_op={async_op}"):
@@ -44,7 +65,7 @@ def _check_against_torch(rank: int, world_size: int) -> None:
                 # place, as the engine calls it) or a tensor of its own.
                 expected = torch.empty(world_size * shard_numel, dtype=dtype)
                 mine = _data(rank, shard_numel, dtype, salt)
-                torch_all_gather(expected, mine, group=group)
+                dist.all_gather_single(expected, mine, group=group)
                 for in_place in (True, False):
                     output = torch.full_like(expected, 99)
                     if in_place:
@@ -52,11 +73,9 @@ def _check_against_torch(rank: int, world_size: int) -> None:
                         input.copy_(mine)
                     else:
                         input = mine
-                    dist.all_gather_single = _torch_forbidden("all_gather_single")
-                    try:
+                    with _calls_of("broadcast") as calls:
                         work = primitives.all_gather_single(output, input, group, async_op)
-                    finally:
-                        dist.all_gather_single = torch_all_gather
+                    assert calls == {"broadcast": world_size}, calls
                     assert (work is None) == (not async_op)
                     if work is not None:
                         work.wait()
@@ -65,13 +84,12 @@ def _check_against_torch(rank: int, world_size: int) -> None:
                 # Reduce-scatter (SUM).
                 full = _data(rank, world_size * shard_numel, dtype, salt + 10)
                 expected = torch.empty(shard_numel, dtype=dtype)
-                torch_reduce_scatter(expected, full.clone(), group=group)
+                dist.reduce_scatter_single(expected, full.clone(), group=group)
                 output = torch.full_like(expected, 99)
-                dist.reduce_scatter_single = _torch_forbidden("reduce_scatter_single")
-                try:
+                with _calls_of("isend", "irecv") as calls:
                     work = primitives.reduce_scatter_single(output, full, group, async_op)
-                finally:
-                    dist.reduce_scatter_single = torch_reduce_scatter
+                peers = world_size - 1
+                assert calls == {"isend": peers, "irecv": peers}, calls
                 if work is not None:
                     assert isinstance(work.is_completed(), bool)
                     work.wait()
@@ -87,6 +105,48 @@ def _check_against_torch(rank: int, world_size: int) -> None:
             [torch.arange(5, dtype=torch.uint8) + 10 * r for r in range(world_size)]
         )
         assert torch.equal(output, expected), output
+
+
+def _observation_does_not_change_the_protocol(rank: int, world_size: int) -> None:
+    """CommDebugMode on rank 0 only (a dispatch mode that torch's fully_shard
+    does not care about) leaves fsdp2's path alone: the ranks still agree. A
+    replaced dist.all_gather_single / reduce_scatter_single (on every rank, as
+    torch's test helpers do) is called instead of fsdp2's path."""
+    group = dist.group.WORLD
+    full = torch.arange(2.0 * world_size) + rank
+    expected = torch.empty(2)
+    dist.reduce_scatter_single(expected, full.clone(), group=group)
+    with labelled("CommDebugMode on rank 0 only"):
+        output, reduced = torch.empty(2 * world_size), torch.empty(2)
+        with CommDebugMode() if rank == 0 else contextlib.nullcontext() as comm:
+            primitives.all_gather_single(output, torch.full((2,), float(rank)), group)
+            primitives.reduce_scatter_single(reduced, full, group)
+        assert_close(output, torch.arange(world_size).repeat_interleave(2).float())
+        assert_close(reduced, expected, rtol=0, atol=0)
+        if rank == 0:
+            counts = comm.get_comm_counts()
+            assert counts[c10d_ops.broadcast_] == world_size, counts  # fsdp2's all-gather
+    with labelled("a replaced dist.all_gather_single / reduce_scatter_single is called"):
+        with _calls_of("all_gather_single", "reduce_scatter_single") as calls:
+            primitives.all_gather_single(output, torch.ones(2), group)
+            primitives.reduce_scatter_single(reduced, full, group)
+        assert calls == {"all_gather_single": 1, "reduce_scatter_single": 1}, calls
+        assert_close(output, torch.ones(2 * world_size))
+        assert_close(reduced, expected, rtol=0, atol=0)
+
+
+def _torch_collectives_by_environment(rank: int, world_size: int) -> None:
+    group = dist.group.WORLD
+    output, reduced = torch.empty(2 * world_size), torch.empty(2)
+    with CommDebugMode() as comm:
+        primitives.all_gather_single(output, torch.full((2,), float(rank)), group)
+        primitives.reduce_scatter_single(reduced, torch.ones(2 * world_size), group)
+    counts = comm.get_comm_counts()
+    assert counts[c10d_ops._allgather_base_] == 1, counts
+    assert counts[c10d_ops._reduce_scatter_base_] == 1, counts
+    assert counts[c10d_ops.broadcast_] == 0, counts
+    assert_close(output, torch.arange(world_size).repeat_interleave(2).float())
+    assert_close(reduced, torch.full((2,), float(world_size)))
 
 
 def _user_messages_during_reduce_scatter(rank: int, world_size: int) -> None:
@@ -119,6 +179,23 @@ def test_gloo_collectives_equal_torch(world_size: int, tmp_path: Path) -> None:
     point, then local sums) give exactly torch's results, sync and async, in
     float32, bfloat16, float64 and bytes, without calling torch's."""
     run_ranks(_check_against_torch, world_size, tmp_path)
+
+
+@pytest.mark.distributed
+def test_observation_does_not_change_the_protocol(tmp_path: Path) -> None:
+    """A dispatch mode on one rank does not change fsdp2's collectives (the
+    ranks would part); replaced torch collectives are called."""
+    run_ranks(_observation_does_not_change_the_protocol, 2, tmp_path)
+
+
+@pytest.mark.distributed
+def test_environment_selects_torch_collectives(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """FSDP2_TORCH_COLLECTIVES=1 on every rank: torch's collectives, as
+    CommDebugMode counts them."""
+    monkeypatch.setenv("FSDP2_TORCH_COLLECTIVES", "1")
+    run_ranks(_torch_collectives_by_environment, 2, tmp_path)
 
 
 @pytest.mark.distributed
