@@ -28,17 +28,17 @@ For CPU tensors on a gloo group fsdp2 runs instead:
 Every rank must take the same path for the same call, or the ranks would
 wait for different messages: the choice depends only on the group's backend,
 the tensors' device, the environment variable ``FSDP2_TORCH_COLLECTIVES=1``
-(torch's collectives everywhere, for tools that must see them) and whether ``dist.all_gather_single`` /
-``dist.reduce_scatter_single`` have been replaced (then the replacement is
-called, as torch's fully_shard would: torch's test helpers delay or count
-collectives that way, on every rank). It never depends on what a rank alone
+(torch's collectives everywhere, for tools that must see them) and whether
+``dist.all_gather_single`` / ``dist.reduce_scatter_single`` have been
+replaced (then the replacement is called, as torch's fully_shard would:
+torch's test helpers delay or count collectives that way, on every rank). It never depends on what a rank alone
 observes: under ``CommDebugMode``, entered on one rank or all, fsdp2's
 all-gather counts as W broadcasts and its reduce-scatter not at all (point
 to point is not counted there); ``fsdp2.comm_stats`` counts both.
 
 Per rank on 2 ranks, 12 MiB (3.1 M float32, a dim-512 block), CPU time of all
 of the process's threads: reduce-scatter 10.8 ms -> 5.8 ms, all-gather
-6.3 ms -> 4.0 ms; on 4 ranks 16.3 -> 5.7 and 7.6 -> 4.3 ms (see
+6.3 ms -> 4.0 ms; on 4 ranks 14.7-16.3 -> 4.5 and 7.6 -> 4.3 ms (see
 docs/performance.md). Everywhere else (NCCL and other backends, custom
 collectives, accelerator tensors on a gloo group) the backend's own
 collectives run.
