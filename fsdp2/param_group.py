@@ -43,7 +43,13 @@ from .collectives import (
 from .common import MeshInfo, ShardedState, TrainingState, eager_hook
 from .custom_comm import AllGather, ReduceScatter
 from .param import FSDPParam
-from .private_api import map_tensors, outside_functorch, profiled, tensors_in
+from .private_api import (
+    functorch_transforms_active,
+    map_tensors,
+    outside_functorch,
+    profiled,
+    tensors_in,
+)
 
 if TYPE_CHECKING:
     from .state import RootContext
@@ -269,7 +275,8 @@ class FSDPParamGroup:
             count.final_callback_only = True
             return args, kwargs
         count.registered += 1
-        outputs = PostBackward.apply(self, count, *inputs)
+        function = TransformablePostBackward if functorch_transforms_active() else PostBackward
+        outputs = function.apply(self, count, *inputs)
         wrapped = {id(t): out for t, out in zip(inputs, outputs, strict=True)}
         return map_tensors((args, kwargs), lambda t: wrapped.get(id(t), t))
 
@@ -454,9 +461,30 @@ class PostBackward(torch.autograd.Function):
     the group's are once every module call of the forward has got here
     (``PostBackwardCount``).
 
-    ``setup_context``, ``jvp`` and the generated vmap rule let it run under
-    functorch transforms (``torch.func.jvp`` through a sharded module).
+    Written in the style where ``forward`` takes ``ctx``: ``Function.apply``
+    then calls it directly, while a Function with ``setup_context`` has its
+    arguments bound through ``inspect.signature`` on every call (once per
+    module call here). Under functorch transforms ``TransformablePostBackward``
+    runs instead.
     """
+
+    @staticmethod
+    def forward(ctx, group: FSDPParamGroup, count: PostBackwardCount, *inputs: torch.Tensor):
+        ctx.group, ctx.count = group, count
+        return inputs
+
+    @staticmethod
+    @eager_hook
+    def backward(ctx, *grads: torch.Tensor):
+        if ctx.count.node_ran():
+            ctx.group.post_backward()
+        return (None, None, *grads)
+
+
+class TransformablePostBackward(torch.autograd.Function):
+    """``PostBackward`` for a forward under functorch transforms (``torch.func.jvp``
+    through a sharded module): ``setup_context``, ``jvp`` and the generated vmap
+    rule are what those transforms require of a Function."""
 
     generate_vmap_rule = True
 
@@ -468,12 +496,7 @@ class PostBackward(torch.autograd.Function):
     def setup_context(ctx, inputs: tuple, output: Any) -> None:
         ctx.group, ctx.count = inputs[0], inputs[1]
 
-    @staticmethod
-    @eager_hook
-    def backward(ctx, *grads: torch.Tensor):
-        if ctx.count.node_ran():
-            ctx.group.post_backward()
-        return (None, None, *grads)
+    backward = staticmethod(PostBackward.backward)
 
     @staticmethod
     def jvp(ctx, group_tangent: None, count_tangent: None, *input_tangents: torch.Tensor):

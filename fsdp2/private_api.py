@@ -30,6 +30,7 @@ __all__ = [
     "local_tensor",
     "profiled",
     "mark_composable_api",
+    "functorch_transforms_active",
     "outside_functorch",
     "queue_backward_callback",
     "shards_tensor",
@@ -106,6 +107,15 @@ def local_tensor(dtensor: torch.Tensor) -> torch.Tensor:
     return dtensor._local_tensor
 
 
+def functorch_transforms_active() -> bool:
+    """Whether a functorch transform (``torch.func.jvp``, ``vmap``...) is active.
+
+    Why private: torch has no public query for it; ``outside_functorch`` below
+    needs the same one.
+    """
+    return torch._C._are_functorch_transforms_active()
+
+
 def outside_functorch(method: Callable) -> Callable:
     """Runs ``method`` with functorch's transforms (``torch.func.jvp``, ``vmap``...)
     switched off: the all-gather and the parameter swaps are bookkeeping, not
@@ -118,7 +128,7 @@ def outside_functorch(method: Callable) -> Callable:
 
     @functools.wraps(method)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if torch._C._are_functorch_transforms_active():
+        if functorch_transforms_active():
             with torch._C._DisableFuncTorch():
                 return method(*args, **kwargs)
         return method(*args, **kwargs)

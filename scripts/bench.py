@@ -256,6 +256,31 @@ def implied_peak_bytes(
     return 3 * total * 4 // args.world_size + held + transient
 
 
+class PhaseClock:
+    """One training step by the wall clock, phase by phase, and the CPU time the
+    process spent in it: on the training thread, and on all its other threads
+    (gloo's transport and worker threads). No profiler: it only reads clocks."""
+
+    COLUMNS = ("forward", "backward", "optimizer", "thread_cpu", "other_cpu")
+
+    def __init__(self) -> None:
+        self._lap = time.perf_counter()
+        self._thread = time.thread_time()
+        self._process = time.process_time()
+        self.seconds: dict[str, float] = {}
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.seconds[phase] = now - self._lap
+        self._lap = now
+
+    def stop(self) -> dict[str, float]:
+        thread = time.thread_time() - self._thread
+        self.seconds["thread_cpu"] = thread
+        self.seconds["other_cpu"] = time.process_time() - self._process - thread
+        return self.seconds
+
+
 def worker(rank: int, args: argparse.Namespace, store: str, result_path: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group(
@@ -297,6 +322,8 @@ def worker(rank: int, args: argparse.Namespace, store: str, result_path: str) ->
     }
     loss_fn = nn.CrossEntropyLoss()
 
+    phases: dict[str, list[dict[str, float]]] = defaultdict(list)
+
     def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
         g = torch.Generator().manual_seed(1000 * step + rank)
         tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g)
@@ -311,17 +338,22 @@ def worker(rank: int, args: argparse.Namespace, store: str, result_path: str) ->
             return run_step(name, step)
 
     def run_step(name: str, step: int) -> float:
+        clock = PhaseClock()
         x, y = batch(step)
         autocast = bf16 and name in ("ddp", "floor")
         with record("forward"), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             out = models[name](x)
         with record("loss"):
             loss = loss_fn(out.float().reshape(-1, out.size(-1)), y.reshape(-1))
+        clock.lap("forward")
         with record("backward"):
             loss.backward()
+        clock.lap("backward")
         with record("optimizer"):
             optims[name].step()
             optims[name].zero_grad(set_to_none=True)
+        clock.lap("optimizer")
+        phases[name].append(clock.stop())
         return loss.item()
 
     # Warm-up, then one step per contender counted for bytes.
@@ -335,6 +367,7 @@ def worker(rank: int, args: argparse.Namespace, store: str, result_path: str) ->
 
     times: dict[str, list[float]] = {k: [] for k in contenders}
     losses: dict[str, list[float]] = {k: [] for k in contenders}
+    phases.clear()  # only the timed steps'
     with fsdp2.comm_stats(models["fsdp2"]) as stats:
         for step in range(args.steps):
             shift = step % len(contenders)
@@ -349,12 +382,20 @@ def worker(rank: int, args: argparse.Namespace, store: str, result_path: str) ->
         for step in stats.steps
     ]
 
-    # Slowest rank per step.
+    # Slowest rank per step, for the step and for each of its phases.
     slowest = {}
+    slowest_phases = {}
     for name in contenders:
         t = torch.tensor(times[name], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         slowest[name] = t.tolist()
+        per_phase = torch.tensor(
+            [[step[k] for k in PhaseClock.COLUMNS] for step in phases[name]], dtype=torch.float64
+        )
+        dist.all_reduce(per_phase, op=dist.ReduceOp.MAX)
+        slowest_phases[name] = dict(
+            zip(PhaseClock.COLUMNS, per_phase.median(dim=0).values.tolist(), strict=True)
+        )
 
     peak = {name: peak_memory(train_step, name, models[name], optims[name]) for name in contenders}
 
@@ -377,6 +418,7 @@ def worker(rank: int, args: argparse.Namespace, store: str, result_path: str) ->
         result = {
             "args": vars(args),
             "step_time_s": {k: statistics.median(v) for k, v in slowest.items()},
+            "phase_s": slowest_phases,
             "peak_memory_bytes": peak,
             "implied_peak_bytes": implied,
             "comm_bytes": comm_bytes,
@@ -442,6 +484,7 @@ def report(result: dict) -> None:
         )
     console = Console(width=120)
     console.print(table)
+    console.print(phase_table(result))
     implied = result["implied_peak_bytes"]
     console.print(
         f"peak memory implied by the sizes: {implied / 2**20:.1f} MiB; fsdp2 / implied = "
@@ -457,6 +500,38 @@ def report(result: dict) -> None:
         f"{expected['all_gather_single'] / 2**20:.2f} MiB, reduce-scatter "
         f"{expected['reduce_scatter_single'] / 2**20:.2f} MiB"
     )
+
+
+def phase_table(result: dict):
+    """Where each contender's step goes, from clocks read around its phases
+    (no profiler), median per step of the slowest rank; and the CPU time the
+    rank's process spent, on its training thread and on its other threads."""
+    from rich.table import Table
+
+    phases, floor = result["phase_s"], result["phase_s"]["floor"]
+    table = Table(
+        title="where a step goes, without a profiler (ms, median per step, slowest rank; "
+        "+ = above the floor's)"
+    )
+    for col in (
+        "contender",
+        "forward+loss",
+        "backward",
+        "optimizer",
+        "CPU: training thread",
+        "CPU: other threads",
+    ):
+        table.add_column(col, justify="right")
+    for name, ph in phases.items():
+        table.add_row(
+            name,
+            *(
+                f"{1e3 * ph[k]:.1f}"
+                + ("" if name == "floor" else f" ({1e3 * (ph[k] - floor[k]):+.1f})")
+                for k in PhaseClock.COLUMNS
+            ),
+        )
+    return table
 
 
 def main(argv: list[str] | None = None) -> None:
