@@ -102,7 +102,7 @@ def all_gather(
     split_sizes = []  # alternating [data, padding]: the padding slots are never read
     for x, slot_numel in zip(inputs, slot_numels, strict=True):
         split_sizes += [x.numel(), slot_numel - x.numel()]
-    torch._foreach_copy_(all_gather_input.split(split_sizes)[::2], inputs)
+    torch._foreach_copy_(all_gather_input.split_with_sizes(split_sizes)[::2], inputs)
     if world_size == 1:  # the input is the whole output: nothing to exchange
         return AllGatherInFlight(all_gather_output, InFlight.done())
     in_flight = comm.issue(
@@ -126,11 +126,11 @@ def copy_out(result: AllGatherInFlight, outputs: list[torch.Tensor]) -> None:
     outputs = [as_buffer_dtype(out, buffer_dtype) for out in outputs]
     world_size = outputs[0].size(0)
     gathered = result.all_gather_output.view(world_size, -1)
-    slot_numels = [out[0].numel() for out in outputs]
+    slot_numels = [out.numel() // world_size for out in outputs]
     if all(out.dim() == 2 for out in outputs):  # every parameter sharded on dim 0
         torch.split_with_sizes_copy(gathered, slot_numels, dim=1, out=outputs)
         return
-    for src, out in zip(gathered.split(slot_numels, dim=1), outputs, strict=True):
+    for src, out in zip(gathered.split_with_sizes(slot_numels, dim=1), outputs, strict=True):
         out.copy_(src.view(out.shape))
 
 
@@ -255,7 +255,7 @@ def all_reduce(
 
 def output_slots(reduced: ReduceInFlight) -> list[torch.Tensor]:
     """Each reduced parameter's rows of the output, shaped like its local shard."""
-    slots = reduced.output.split([p.padded_shard_numel for p in reduced.fsdp_params])
+    slots = reduced.output.split_with_sizes([p.padded_shard_numel for p in reduced.fsdp_params])
     return [
         slot[: p.local_numel].view(p.local_shape)
         for p, slot in zip(reduced.fsdp_params, slots, strict=True)
