@@ -1,0 +1,39 @@
+"""The benchmark script end to end, on a tiny model: it runs, and what it
+reports that is not a timing holds (the bytes each FSDP moves equal the
+theoretical volume, fsdp2's peak memory is not above torch's, every
+contender's step is split into its phases and CPU times). Timings themselves
+are never asserted."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+import bench  # noqa: E402
+
+
+@pytest.mark.distributed
+def test_bench_runs_and_reports(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "bench.json"
+    tiny = "--dim 32 --layers 2 --heads 2 --vocab 64 --seq 16 --batch 2 --steps 2 --warmup 1"
+    bench.main([*tiny.split(), "--json", str(out)])
+    result = json.loads(out.read_text())
+
+    expected = result["theoretical_comm_bytes"]
+    assert result["comm_bytes"]["fsdp2"] == expected
+    assert result["comm_bytes"]["torch"] == expected
+    peak = result["peak_memory_bytes"]
+    assert peak["fsdp2"] <= peak["torch"]
+
+    assert set(result["phase_s"]) == set(bench.CONTENDERS)
+    for name, phases in result["phase_s"].items():
+        assert list(phases) == list(bench.PhaseClock.COLUMNS), name
+        # other_cpu is a difference of two clocks: about 0 where no other thread works.
+        measured = {k: v for k, v in phases.items() if k != "other_cpu"}
+        assert all(seconds > 0 for seconds in measured.values()), (name, phases)
+
+    printed = capsys.readouterr().out
+    assert "where a step goes" in printed
+    assert "CPU: other threads" in printed
