@@ -393,9 +393,10 @@ def worker(rank: int, args: argparse.Namespace, store: str, result_path: str) ->
             [[step[k] for k in PhaseClock.COLUMNS] for step in phases[name]], dtype=torch.float64
         )
         dist.all_reduce(per_phase, op=dist.ReduceOp.MAX)
-        slowest_phases[name] = dict(
-            zip(PhaseClock.COLUMNS, per_phase.median(dim=0).values.tolist(), strict=True)
-        )
+        # quantile 0.5: the median as statistics.median takes it (the mean of the
+        # middle two), not torch.median's lower one.
+        median = torch.quantile(per_phase, 0.5, dim=0).tolist()
+        slowest_phases[name] = dict(zip(PhaseClock.COLUMNS, median, strict=True))
 
     peak = {name: peak_memory(train_step, name, models[name], optims[name]) for name in contenders}
 
@@ -504,14 +505,15 @@ def report(result: dict) -> None:
 
 def phase_table(result: dict):
     """Where each contender's step goes, from clocks read around its phases
-    (no profiler), median per step of the slowest rank; and the CPU time the
-    rank's process spent, on its training thread and on its other threads."""
+    (no profiler): per column, the median over steps of the slowest rank's
+    value; the CPU time is the rank's process's, on its training thread and
+    on its other threads."""
     from rich.table import Table
 
     phases, floor = result["phase_s"], result["phase_s"]["floor"]
     table = Table(
-        title="where a step goes, without a profiler (ms, median per step, slowest rank; "
-        "+ = above the floor's)"
+        title="where a step goes, without a profiler (ms, median per step of the slowest "
+        "rank in each column; in brackets: above the floor's)"
     )
     for col in (
         "contender",
