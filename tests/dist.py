@@ -23,6 +23,7 @@ from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import perturb
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -59,6 +60,7 @@ def _worker(
                 world_size=world_size,
                 timeout=PROCESS_GROUP_TIMEOUT,
             )
+            perturb.install_from_environment()  # tests/perturb.py: unset, nothing
             fn(rank, world_size, *args)
             # Without this, gloo's threads can still hold tensors at exit and
             # abort the process (about 1 run in 8 for a 2-rank FSDP test).

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from error_model import LR, MOMENTUM, WEIGHT_DECAY
 from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed._tensor.common_dtensor import ModelArgs, Transformer
 
@@ -119,8 +120,13 @@ def mean_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> 
 
 
 def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
-    # foreach=False: the same per-parameter kernels on plain tensors and DTensors.
-    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01, foreach=False)
+    """SGD with momentum and weight decay: its update is linear in the gradient,
+    so last-bit differences in gradients stay last-bit differences in
+    parameters (tests/error_model.py, point 3). foreach=False: the same
+    per-parameter kernels on plain tensors and DTensors."""
+    return torch.optim.SGD(
+        model.parameters(), lr=LR, momentum=MOMENTUM, weight_decay=WEIGHT_DECAY, foreach=False
+    )
 
 
 def global_mean(local: torch.Tensor, world_size: int) -> torch.Tensor:
