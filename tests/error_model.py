@@ -26,7 +26,9 @@ has its own source of rounding:
    element, where S is the sum over ranks of |local gradient| at that element
    (``rank_sum_bounds`` measures S with a plain copy of the model). No constant
    tolerance can replace that: near-cancelling sums need S, not the result.
-   To keep the second reference at the same parameters, torch's model takes
+   On one or two ranks the bound is zero: a + b = b + a, and halving is
+   exact, so fsdp2 and torch agree bit for bit (``EXACT``). On more ranks,
+   to keep the second reference at the same parameters, torch's model takes
    fsdp2's local shards before every step (``copy_local_shards``), so the
    comparison covers each step's forward and backward, never an accumulated
    drift.
@@ -66,6 +68,12 @@ UNIT_ROUNDOFF = {
 
 # fsdp2 against the unsharded reference, fp32 (point 1 of the note).
 REF_TOL = {"rtol": 1e-5, "atol": 1e-5}
+
+# fsdp2 against torch's fully_shard on at most two ranks, or a computation
+# without a sum over ranks against a plain model's: the sum of two values does
+# not depend on their order (a + b = b + a in IEEE arithmetic) and halving is
+# exact, so the same bits, every step, whatever the optimizer (point 2).
+EXACT = {"rtol": 0.0, "atol": 0.0}
 
 # models.make_optimizer's SGD (point 3 of the note).
 LR = 1e-2
@@ -124,6 +132,8 @@ def copy_local_shards(src: nn.Module, dst: nn.Module) -> None:
             if mine.placements != theirs.placements:
                 raise AssertionError(f"{name}: placements {mine.placements}, {theirs.placements}")
             mine, theirs = mine.to_local(), theirs.to_local()
+        if mine.shape != theirs.shape:
+            raise AssertionError(f"{name}: local shard {mine.shape}, torch's {theirs.shape}")
         theirs.copy_(mine)
 
 

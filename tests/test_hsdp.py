@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 from dist import labelled, run_ranks
+from error_model import REF_TOL
 from models import (
     build_model,
     full_params,
@@ -19,7 +20,6 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.testing import assert_close
 
-TOL = {"rtol": 1e-5, "atol": 1e-5}
 STEPS = 3
 
 
@@ -45,24 +45,21 @@ def _hsdp(rank: int, world_size: int) -> None:
                         model.set_requires_all_reduce(i == len(micro) - 1)
                         loss = mean_loss(model, *local_batch(batch, rank, world_size))
                         loss.backward()
-                        assert_close(global_mean(loss, world_size), ref_loss.detach(), **TOL)
+                        assert_close(global_mean(loss, world_size), ref_loss.detach(), **REF_TOL)
                     for name, grad in ((n, p.grad) for n, p in model.named_parameters()):
                         expected = ref.get_parameter(name).grad
                         assert_close(
-                            grad.full_tensor(), expected, **TOL, msg=lambda m, n=name: f"{n}: {m}"
+                            grad.full_tensor(),
+                            expected,
+                            **REF_TOL,
+                            msg=lambda m, n=name: f"{n}: {m}",
                         )
                     for optim in optims:
                         optim.step()
                         optim.zero_grad()
-                # Gradients matched to 1e-5 every step. With micro-batches summed in
-                # another order, AdamW (eps 1e-8) turns a 1e-9 difference in a
-                # near-zero gradient into up to ~2e-4 of parameter (seen on an AMD
-                # EPYC; the matmul kernels differ by CPU): compare at a tenth of one
-                # step's size (lr 1e-2) there, still far below a wrong gradient's.
-                tol = {"rtol": 1e-4, "atol": 1e-3} if accumulate else TOL
                 for name, param in full_params(model).items():
                     assert_close(
-                        param, ref.get_parameter(name), **tol, msg=lambda m, n=name: f"{n}: {m}"
+                        param, ref.get_parameter(name), **REF_TOL, msg=lambda m, n=name: f"{n}: {m}"
                     )
 
 
