@@ -119,13 +119,14 @@ def mean_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> 
     return F.mse_loss(output, targets)
 
 
-def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
+def make_optimizer(model: nn.Module | list[nn.Parameter]) -> torch.optim.Optimizer:
     """SGD with momentum and weight decay: its update is linear in the gradient,
     so last-bit differences in gradients stay last-bit differences in
     parameters (tests/error_model.py, point 3). foreach=False: the same
     per-parameter kernels on plain tensors and DTensors."""
+    params = list(model.parameters()) if isinstance(model, nn.Module) else model
     return torch.optim.SGD(
-        model.parameters(), lr=LR, momentum=MOMENTUM, weight_decay=WEIGHT_DECAY, foreach=False
+        params, lr=LR, momentum=MOMENTUM, weight_decay=WEIGHT_DECAY, foreach=False
     )
 
 

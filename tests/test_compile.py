@@ -4,7 +4,7 @@ its own group, then the root.
 Blocks are compiled before ``fully_shard`` (``block.compile()``, or
 ``torch.compile(block)`` put back in ``model.layers``, which is then sharded)
 or after it, or the whole sharded model is compiled. Each run trains a few
-AdamW steps and is compared with an uncompiled, unsharded copy trained on the
+SGD steps and is compared with an uncompiled, unsharded copy trained on the
 global batch (DDP math): the losses of every step and every parameter at the
 end. In bf16 the reference is torch's ``fully_shard`` under the same compile.
 
@@ -30,7 +30,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from dist import labelled, run_ranks
-from models import global_mean, local_batch, transformer_args
+from error_model import EXACT, REF_TOL
+from models import global_mean, local_batch, make_optimizer, transformer_args
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch._dynamo.utils import counters
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
@@ -47,8 +48,6 @@ import llama  # noqa: E402
 STEPS = 4
 GLOBAL_BATCH = 8
 SEQ_LEN = 16
-REF_TOL = {"rtol": 0.0, "atol": 1e-4}  # fp32: compiled and sharded vs eager and unsharded
-TORCH_TOL = {"rtol": 0.0, "atol": 1e-5}  # bf16: fsdp2 vs torch's fully_shard, same graphs
 
 # How the blocks are compiled, relative to fully_shard.
 BEFORE_METHOD = "block.compile(), then fully_shard"
@@ -138,14 +137,6 @@ def _global_batch(case: Case, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         torch.randint(_vocab(case), shape, generator=gen),
         torch.randint(_vocab(case), shape, generator=gen),
     )
-
-
-def _optimizer(model: nn.Module) -> torch.optim.Optimizer:
-    # lr 1e-3: AdamW divides each gradient by its running RMS, so an element whose
-    # gradient is near zero moves by about lr whatever its rounding; summed in
-    # another order across ranks, one such element of the Hugging Face model's
-    # embedding ended 2.5e-4 from the reference at lr 1e-2, eager or compiled.
-    return torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, foreach=False)
 
 
 def _plain_name(name: str) -> str:
@@ -242,13 +233,13 @@ def _train(rank: int, world_size: int, case: Case) -> None:
         torch_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         ref = _compiled_and_sharded(case, fully_shard, torch_policy, case.backend)
         policy = fsdp2.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        tol = TORCH_TOL
+        tol = EXACT  # 2 ranks, the same graphs: tests/error_model.py, point 2
     else:
         ref = _build(case)
         policy = fsdp2.MixedPrecisionPolicy()
         tol = REF_TOL
     model = _compiled_and_sharded(case, fsdp2.fully_shard, policy, compiled.backend)
-    optims = [_optimizer(ref), _optimizer(model)]
+    optims = [make_optimizer(ref), make_optimizer(model)]
     for step in range(STEPS):
         batch = _global_batch(case, step)
         mine = local_batch(batch, rank, world_size)
@@ -346,7 +337,7 @@ def _compiled_step(rank: int, world_size: int) -> None:
         return loss.detach()
 
     forward_backward = torch.compile(forward_backward, backend=compiled.backend)
-    optims = [_optimizer(ref), _optimizer(model)]
+    optims = [make_optimizer(ref), make_optimizer(model)]
     for step in range(STEPS):
         batch = _global_batch(case, step)
         ref_loss = _loss(ref, *batch)

@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from dist import fake_world, labelled, recorded, run_ranks
+from error_model import EXACT, REF_TOL
 from models import (
     build_model,
     full_params,
@@ -39,9 +40,7 @@ from torch.testing import assert_close
 
 import fsdp2
 
-WORLD_SIZE = 2
-REF_TOL = {"rtol": 1e-5, "atol": 1e-5}
-TORCH_TOL = {"rtol": 1e-6, "atol": 1e-6}
+WORLD_SIZE = 2  # against torch's fully_shard: the same bits (tests/error_model.py)
 
 
 # -- replicate over sharded blocks, unshard(async_op=True) ------------------------
@@ -113,7 +112,7 @@ def _replicate_over_sharded_blocks(rank: int, world_size: int) -> None:
     replicate(model)  # DDP for the reduce layers; must leave the sharded blocks alone
     for name, param in model.named_parameters():
         assert isinstance(param, DTensor) == name.startswith("tail."), name
-    optims = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in (ref, model)]
+    optims = [make_optimizer(m) for m in (ref, model)]
     torch.manual_seed(1 + rank)
     x = torch.randn(2, 8)
     for step in range(6):
@@ -149,7 +148,7 @@ def _optimizer_in_backward(rank: int, world_size: int) -> None:
     ref_optim = make_optimizer(ref)
     # One optimizer per sharded parameter, stepped by its post-accumulate-grad
     # hook as soon as the reduced gradient is assigned.
-    optims = {p: torch.optim.AdamW([p], lr=1e-2, weight_decay=0.01) for p in model.parameters()}
+    optims = {p: make_optimizer([p]) for p in model.parameters()}
     stepped: list[str] = []
     names = {p: n for n, p in model.named_parameters()}
 
@@ -293,7 +292,7 @@ def _structured_activations(rank: int, world_size: int) -> None:
                 shard(model, mp_policy=policy)
                 models.append(model)
             ref = _structured_model()
-            optims = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in (*models, ref)]
+            optims = [make_optimizer(m) for m in (*models, ref)]
             gen = torch.Generator().manual_seed(1)
             for _ in range(4):
                 batch = torch.rand(2 * world_size, 16, generator=gen)
@@ -301,7 +300,7 @@ def _structured_activations(rank: int, world_size: int) -> None:
                 losses = [m(local).float().sum() for m in models]
                 for loss in losses:
                     loss.backward()
-                assert_close(losses[0], losses[1], **TORCH_TOL)
+                assert_close(losses[0], losses[1], **EXACT)
                 if param_dtype is None:
                     ref_loss = ref(batch).sum() / world_size
                     ref_loss.backward()
@@ -311,7 +310,7 @@ def _structured_activations(rank: int, world_size: int) -> None:
                     optim.zero_grad()
             torch_params = dict(models[1].named_parameters())
             for name, param in models[0].named_parameters():
-                assert_close(param.to_local(), torch_params[name].to_local(), **TORCH_TOL)
+                assert_close(param.to_local(), torch_params[name].to_local(), **EXACT)
                 if param_dtype is None:
                     assert_close(param.full_tensor(), ref.get_parameter(name), **REF_TOL)
 

@@ -16,6 +16,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from dist import fake_world, labelled, run_ranks
+from error_model import REF_TOL
+from models import make_optimizer
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import DataParallelMeshDims as TorchDataParallelMeshDims
 from torch.distributed.fsdp import fully_shard as torch_fully_shard  # the reference only
@@ -25,7 +27,6 @@ from torch.testing import assert_close
 import fsdp2
 from fsdp2 import DataParallelMeshDims
 
-REF_TOL = {"rtol": 1e-5, "atol": 1e-5}
 IN, HIDDEN = 6, 10
 
 
@@ -67,7 +68,7 @@ def _train(
     data-parallel axes, whole over the TP axis); the reference on all of it.
     ``plain`` models compute with plain tensors (native FSDP)."""
     ref = MLP()
-    optims = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ref, *models)]
+    optims = [make_optimizer(m) for m in (ref, *models)]
     dp_size = 1
     dp_index = 0
     for name in batch_axes:
@@ -103,12 +104,13 @@ def _train(
         for optim in optims:
             optim.step()
             optim.zero_grad()
-    for model in models[1:]:
+    for model in models:
         for (name, param), other in zip(
             models[0].named_parameters(), model.parameters(), strict=True
         ):
             assert param.placements == other.placements, name
-            assert_close(param.to_local(), other.to_local(), **REF_TOL, msg=name)
+            expected = ref.get_parameter(name)
+            assert_close(other.full_tensor(), expected, **REF_TOL, msg=f"{name} after 3 steps")
 
 
 def _spmd(rank: int, world_size: int) -> None:

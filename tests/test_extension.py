@@ -16,6 +16,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from dist import fake_world, labelled, recorded, run_ranks
+from error_model import REF_TOL
+from models import make_optimizer
 from quantized import RowQuantized
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
@@ -23,7 +25,6 @@ from torch.testing import assert_close
 
 import fsdp2
 
-REF_TOL = {"rtol": 1e-5, "atol": 1e-5}
 DIM, HIDDEN, OUT = 12, 7, 5  # 7 rows: uneven over 2 ranks (4, 3) and 4 ranks (2, 2, 2, 1)
 
 
@@ -77,10 +78,7 @@ def _quantized_training(rank: int, world_size: int) -> None:
             rows = chunks[rank].numel() if rank < len(chunks) else 0
             assert weight.to_local().shape == (rows, DIM), weight.to_local().shape
             optims = [
-                torch.optim.AdamW(
-                    [p for p in m.parameters() if p.requires_grad], lr=1e-2, foreach=False
-                )
-                for m in (ref, model)
+                make_optimizer([p for p in m.parameters() if p.requires_grad]) for m in (ref, model)
             ]
             for step in range(3):
                 gen = torch.Generator().manual_seed(step)
