@@ -105,8 +105,12 @@ def assert_within(
     actual: torch.Tensor, expected: torch.Tensor, bound: torch.Tensor, what: str
 ) -> None:
     """Every element of ``actual`` within ``bound`` of ``expected``."""
+    if actual.shape != expected.shape:
+        raise AssertionError(
+            f"{what}: shape {tuple(actual.shape)}, expected {tuple(expected.shape)}"
+        )
     excess = (actual.double() - expected.double()).abs() - bound.double()
-    if (worst := excess.max()) > 0:
+    if excess.numel() and (worst := excess.max()) > 0:
         index = tuple(int(i) for i in torch.unravel_index(excess.argmax(), excess.shape))
         raise AssertionError(
             f"{what}: {int((excess > 0).sum())} of {excess.numel()} elements beyond the "

@@ -21,6 +21,7 @@ import pytest
 import torch
 import torch.nn as nn
 from dist import labelled, run_ranks
+from error_model import REF_TOL
 from models import (
     full_params,
     global_batch,
@@ -45,7 +46,6 @@ import fsdp2
 WORLD_SIZE = 2
 N_LAYERS = 3
 KIND = "transformer_tied"  # the batches of models.global_batch
-REF_TOL = {"rtol": 1e-5, "atol": 1e-5}
 GROUPINGS = ("blocks", "module lists", "tied weight in a list")
 CHECKPOINTS = ("composable checkpoint", "torch.utils.checkpoint", "checkpoint_wrapper")
 

@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.nn as nn
 from dist import labelled, recorded, run_ranks
+from error_model import REF_TOL
 from models import (
     build_model,
     fsdp_modules,
@@ -41,7 +42,6 @@ from fsdp2.common import ShardedState
 pytestmark = pytest.mark.distributed
 
 WORLD_SIZE = 2
-TOL = {"rtol": 1e-5, "atol": 1e-5}
 KIND = "transformer_untied"
 
 
@@ -213,12 +213,12 @@ def _prefetch_and_peak(rank: int, world_size: int) -> None:
                     loss.backward()
                 optims[1].step()
                 optims[1].zero_grad()
-                assert_close(global_mean(loss, world_size), ref_loss, **TOL)
+                assert_close(global_mean(loss, world_size), ref_loss, **REF_TOL)
                 expected = CollectiveCounts(2 * n_layers + 1, n_layers + 1)
                 assert counts == expected, f"step {step}: {counts}, expected {expected}"
             for name, param in full_params(model).items():
                 assert_close(
-                    param, ref.get_parameter(name), **TOL, msg=lambda m, n=name: f"{n}: {m}"
+                    param, ref.get_parameter(name), **REF_TOL, msg=lambda m, n=name: f"{n}: {m}"
                 )
             samples = probe.samples
             assert probe.peak("forward") <= 2, f"more than two blocks unsharded: {samples}"
@@ -251,7 +251,7 @@ def _check_inference(model: nn.Module, ref: nn.Module, inputs: torch.Tensor) -> 
         ref_output = ref(inputs)
     model.train()
     ref.train()
-    assert_close(output, ref_output, **TOL)
+    assert_close(output, ref_output, **REF_TOL)
     assert counts.reduce_scatters == 0, f"{counts.reduce_scatters} reduce-scatters in inference"
     n_groups = len(list(_groups(model)))
     assert counts.all_gathers == n_groups, f"{counts.all_gathers} all-gathers for {n_groups}"
@@ -269,7 +269,7 @@ def _inference(rank: int, world_size: int, mesh: DeviceMesh, kind: str) -> None:
         batch = global_batch(kind, step)
         ref_loss = _train_step(ref, optims[0], batch)
         loss = _train_step(model, optims[1], local_batch(batch, rank, world_size))
-        assert_close(global_mean(loss, world_size), ref_loss, **TOL)
+        assert_close(global_mean(loss, world_size), ref_loss, **REF_TOL)
     with labelled("after training"):
         _check_inference(model, ref, inputs)
 
@@ -301,7 +301,7 @@ def _check_unsharded(model: nn.Module, ref: nn.Module, prefix: str) -> None:
         ref_param = ref.get_parameter(name)
         assert not isinstance(param, DTensor), f"{name} is still a DTensor"
         assert param.shape == ref_param.shape, f"{name}: {param.shape} vs {ref_param.shape}"
-        assert_close(param, ref_param, **TOL, msg=lambda m, n=name: f"{n}: {m}")
+        assert_close(param, ref_param, **REF_TOL, msg=lambda m, n=name: f"{n}: {m}")
 
 
 def _module_api(rank: int, world_size: int) -> None:
@@ -347,10 +347,12 @@ def _module_api(rank: int, world_size: int) -> None:
             batch = global_batch(KIND, step)
             ref_loss = _train_step(ref, optims[0], batch)
             loss = _train_step(model, optims[1], local_batch(batch, rank, world_size))
-            assert_close(global_mean(loss, world_size), ref_loss, **TOL)
+            assert_close(global_mean(loss, world_size), ref_loss, **REF_TOL)
             _check_all_resharded(model, f"after step {step}")
         for name, param in full_params(model).items():
-            assert_close(param, ref.get_parameter(name), **TOL, msg=lambda m, n=name: f"{n}: {m}")
+            assert_close(
+                param, ref.get_parameter(name), **REF_TOL, msg=lambda m, n=name: f"{n}: {m}"
+            )
 
 
 @pytest.mark.parametrize("world_size", [WORLD_SIZE])

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 from dist import labelled, run_ranks
+from error_model import REF_TOL
 from models import (
     build_model,
     full_params,
@@ -23,7 +24,6 @@ from torch.testing import assert_close
 
 import fsdp2
 
-TOL = {"rtol": 1e-5, "atol": 1e-5}
 STEPS = 3
 THRESHOLD = 100  # biases, norm weights and the MLP's 7-row head bias; not the weights
 
@@ -50,15 +50,15 @@ def _train(rank: int, world_size: int, mesh, kind: str, **kwargs) -> None:
             ref_loss.backward()
             loss = mean_loss(model, *local_batch(batch, rank, world_size))
             loss.backward()
-            assert_close(global_mean(loss, world_size), ref_loss.detach(), **TOL)
+            assert_close(global_mean(loss, world_size), ref_loss.detach(), **REF_TOL)
             for name, param in model.named_parameters():
                 expected = ref.get_parameter(name).grad
-                assert_close(param.grad.full_tensor(), expected, **TOL, msg=name)
+                assert_close(param.grad.full_tensor(), expected, **REF_TOL, msg=name)
             for optim in optims:
                 optim.step()
                 optim.zero_grad()
     for name, param in full_params(model).items():
-        assert_close(param, ref.get_parameter(name), **TOL, msg=lambda m, n=name: f"{n}: {m}")
+        assert_close(param, ref.get_parameter(name), **REF_TOL, msg=lambda m, n=name: f"{n}: {m}")
     # Replicated parameters are never all-gathered: every group's all-gather
     # moves only its sharded parameters (each call: world size * padded slots).
     shard_world = mesh.size(mesh.ndim - 1)

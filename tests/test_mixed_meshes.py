@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from dist import labelled, run_ranks
+from error_model import REF_TOL
 from models import full_params, global_mean, local_batch, make_optimizer
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
@@ -26,7 +27,6 @@ from torch.testing import assert_close
 import fsdp2
 
 WORLD_SIZE = 4
-TOL = {"rtol": 1e-5, "atol": 1e-5}
 STEPS = 3
 GLOBAL_BATCH = 8
 IN_DIM, DIM, HIDDEN, OUT_DIM, N_EXPERTS = 11, 10, 13, 3, 2
@@ -117,7 +117,7 @@ def _check_grads(model: nn.Module, ref: nn.Module) -> None:
         assert_close(
             param.grad.full_tensor(),
             ref.get_parameter(name).grad,
-            **TOL,
+            **REF_TOL,
             msg=lambda m, n=name: f"{n}.grad: {m}",
         )
 
@@ -147,7 +147,7 @@ def _train_with_clipping(
             ref_loss.backward()
             loss = _loss(model, *local_batch(batch, rank, world_size))
             loss.backward()
-            assert_close(global_mean(loss, world_size), ref_loss.detach(), **TOL)
+            assert_close(global_mean(loss, world_size), ref_loss.detach(), **REF_TOL)
             _check_layout(model, *meshes)
             _check_grads(model, ref)  # before clipping: the engine's averaging
 
@@ -162,7 +162,7 @@ def _train_with_clipping(
                 optim.step()
                 optim.zero_grad()
     for name, param in full_params(model).items():
-        assert_close(param, ref.get_parameter(name), **TOL, msg=lambda m, n=name: f"{n}: {m}")
+        assert_close(param, ref.get_parameter(name), **REF_TOL, msg=lambda m, n=name: f"{n}: {m}")
 
 
 def _torch_clip_fails(model: nn.Module) -> None:

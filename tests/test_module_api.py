@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from dist import fake_world, labelled, recorded, run_ranks
+from error_model import EXACT, REF_TOL
 from models import (
     MLP_DIMS,
     build_model,
@@ -38,15 +39,12 @@ from torch.testing import assert_close
 import fsdp2
 from fsdp2.state import RootContext
 
-REF_TOL = {"rtol": 1e-5, "atol": 1e-5}
-SAME = {"rtol": 0.0, "atol": 0.0}
-
 
 def _fsdp_modules(model: nn.Module) -> list[fsdp2.FSDPModule]:
     return [m for m in model.modules() if isinstance(m, fsdp2.FSDPModule)]
 
 
-def _check_grads_equal(model: nn.Module, other: nn.Module, tol: dict = SAME) -> None:
+def _check_grads_equal(model: nn.Module, other: nn.Module, tol: dict = EXACT) -> None:
     others = dict(other.named_parameters())
     for name, param in model.named_parameters():
         assert_close(

@@ -34,7 +34,8 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 from dist import fake_world, labelled, recorded, run_ranks
-from models import global_mean, local_batch
+from error_model import REF_TOL
+from models import global_mean, local_batch, make_optimizer
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.testing import assert_close
@@ -44,7 +45,6 @@ from fsdp2 import param_group as param_group_module
 from fsdp2.common import ShardedState, TrainingState
 
 WORLD_SIZE = 2
-TOL = {"rtol": 1e-5, "atol": 1e-5}
 D_IN, DIM, D_OUT = 7, 9, 5  # 9 rows: 5 + 4 at world size 2, so the buffers are padded
 N_BLOCKS = 3
 GLOBAL_BATCH_SIZE = 8
@@ -125,10 +125,6 @@ def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     )
 
 
-def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
-
-
 def train_step(
     model: nn.Module, optim: torch.optim.Optimizer, batch: tuple[torch.Tensor, ...]
 ) -> torch.Tensor:
@@ -162,13 +158,16 @@ def ref_step(
 def assert_params_close(model: nn.Module, ref: nn.Module) -> None:
     for name, param in model.named_parameters():
         assert_close(
-            param.full_tensor(), ref.get_parameter(name), **TOL, msg=lambda m, n=name: f"{n}: {m}"
+            param.full_tensor(),
+            ref.get_parameter(name),
+            **REF_TOL,
+            msg=lambda m, n=name: f"{n}: {m}",
         )
 
 
 def params_close(model: nn.Module, ref: nn.Module) -> bool:
     return all(
-        torch.allclose(param.full_tensor(), ref.get_parameter(name), **TOL)
+        torch.allclose(param.full_tensor(), ref.get_parameter(name), **REF_TOL)
         for name, param in model.named_parameters()
     )
 
@@ -247,7 +246,7 @@ def _execution_order(rank: int, world_size: int) -> None:
             assert not fsdp2_warnings(caught), fsdp2_warnings(caught)  # silent
             loss = global_mean(loss, world_size)
             # Control: when the ranks agree (here: both swapped) the result is right.
-            assert torch.allclose(loss, ref_loss, **TOL) is matches, (orders, loss, ref_loss)
+            assert torch.allclose(loss, ref_loss, **REF_TOL) is matches, (orders, loss, ref_loss)
             assert params_close(model, ref) is matches, orders
 
     ref = build_net()
@@ -261,7 +260,7 @@ def _execution_order(rank: int, world_size: int) -> None:
         ref_loss = ref_step(ref, optims[0], i, [order] * world_size)
         with recorded("all_gather_single") as count:
             loss = train_step(model, optims[1], local_batch(global_batch(i), rank, world_size))
-        assert_close(global_mean(loss, world_size), ref_loss, **TOL)
+        assert_close(global_mean(loss, world_size), ref_loss, **REF_TOL)
         assert len(count) == expected_all_gathers, f"step {i}: {len(count)} all_gather_single calls"
 
     with labelled("check on: later iterations warn once on deviation"):
@@ -610,7 +609,7 @@ def _recovery(rank: int, world_size: int) -> None:
                     continue  # the reference never sees this batch
                 ref_loss = ref_step(ref, optims[0], step, [None] * world_size)
                 loss = train_step(model, optims[1], local_batch(batch, rank, world_size))
-                assert_close(global_mean(loss, world_size), ref_loss, **TOL)
+                assert_close(global_mean(loss, world_size), ref_loss, **REF_TOL)
             assert_params_close(model, ref)
             _check_idle_and_sharded(model)
             assert not fsdp2_warnings(caught), fsdp2_warnings(caught)

@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from dist import labelled, run_ranks
+from error_model import REF_TOL
 from models import (
     build_model,
     expected_shard,
@@ -43,7 +44,6 @@ KIND = "transformer_untied"
 # State dicts: tied embedding and head, one Parameter under two keys.
 SD_KIND = "transformer_tied"
 NUM_STEPS = 3
-REF_TOL = {"rtol": 1e-5, "atol": 1e-5}
 
 
 # -- a model with a non-persistent buffer -------------------------------------
@@ -365,11 +365,11 @@ def _model_state_dict(
         ref_optim, optim = optims
         for name, param in model.named_parameters():
             ref_state = ref_optim.state[ref.get_parameter(name)]
-            for key in ("exp_avg", "exp_avg_sq"):
-                value = optim.state[param][key]
-                assert isinstance(value, DTensor), f"{name} {key} is not a DTensor"
-                assert value.placements == (Shard(0),), f"{name} {key}: {value.placements}"
-                assert_close(value.full_tensor(), ref_state[key], rtol=1e-4, atol=1e-7)
+            value = optim.state[param]["momentum_buffer"]
+            assert isinstance(value, DTensor), f"{name} momentum buffer is not a DTensor"
+            assert value.placements == (Shard(0),), f"{name} momentum: {value.placements}"
+            # Linear in the gradients: as close as they are (tests/error_model.py).
+            assert_close(value.full_tensor(), ref_state["momentum_buffer"], **REF_TOL)
 
     with labelled("full state dicts (cpu_offload)"):
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -385,9 +385,9 @@ def _model_state_dict(
             params = dict(ref.named_parameters())
             for name, state in full_osd["state"].items():
                 ref_state = ref_optim.state[params[name]]
-                for key in ("exp_avg", "exp_avg_sq"):
-                    assert type(state[key]) is torch.Tensor, f"{name} {key}"
-                    assert_close(state[key], ref_state[key], rtol=1e-4, atol=1e-7)
+                buffer = state["momentum_buffer"]
+                assert type(buffer) is torch.Tensor, f"{name} momentum buffer"
+                assert_close(buffer, ref_state["momentum_buffer"], **REF_TOL)
         else:
             assert full_sd == {}, f"rank {rank} got a full state dict: {list(full_sd)}"
             assert full_osd == {}, f"rank {rank} got a full optimizer state dict"
