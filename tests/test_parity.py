@@ -68,9 +68,9 @@ def _check_sharded_params(model: nn.Module, ref: nn.Module, rank: int, world_siz
 
 def _check_sharded_grads(model: nn.Module, ref: nn.Module) -> None:
     """Every trainable parameter's grad is a Shard(0) DTensor shaped like the
-    parameter whose full tensor is the reference's grad. (Adam is nearly
-    invariant to the scale of the gradient, so a wrong average over ranks would
-    barely show in the losses: compare the gradients themselves.)"""
+    parameter whose full tensor is the reference's grad. (Comparing the
+    gradients themselves catches what the parameters would show only after
+    many steps.)"""
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue

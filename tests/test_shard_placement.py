@@ -176,7 +176,7 @@ def _train(
     accumulate: bool = False,
     first_step: int = 0,
 ) -> None:
-    """STEPS AdamW steps on model and ref, checking the loss and the grads every
+    """STEPS SGD steps on model and ref, checking the loss and the grads every
     step. ``accumulate``: two micro-batches per step, the first with gradient
     sync off (no sharded grad after it)."""
     rank, world_size = mesh.get_rank(), mesh.size()
