@@ -18,6 +18,8 @@ checked against the sharded ones, and then both optimizers step on the same
 
 from __future__ import annotations
 
+import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -281,3 +283,22 @@ def test_rejects_unsupported_placements() -> None:
         both = nn.Parameter(DTensor.from_local(torch.zeros(2, 4), tp, [Shard(0), Shard(0)]))
         with pytest.raises(ValueError, match="along one mesh axis"):
             Muon([both])
+
+
+@pytest.mark.distributed
+def test_bench_muon_mode_counts_collectives(tmp_path: Path) -> None:
+    """``bench.py --optim muon`` on a tiny model: two all-to-alls a step for
+    fsdp2, none unsharded, owners balanced. Timings are not asserted."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    import bench
+
+    out = tmp_path / "muon.json"
+    bench.main(
+        ["--optim", "muon", "--dim", "16", "--layers", "3", "--steps", "2", "--json", str(out)]
+    )
+    result = json.loads(out.read_text())
+    counts = result["collectives"]
+    assert counts["fsdp2.optim.Muon"] == {"alltoall_base_": 2}
+    assert counts["unsharded, one process"] == {}
+    assert sum(counts["torch.optim.Muon on DTensors"].values()) > 2
+    assert sorted(result["owner_loads"]) == [16**3, 2 * 16**3]  # 3 equal matrices on 2 ranks
