@@ -40,7 +40,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.testing import assert_close
 
 from fsdp2.optim import Muon, assign_owners, newton_schulz_cost
-from fsdp2.optim.exchange import chunk_rows
+from fsdp2.optim.exchange import rows_per_rank
 from fsdp2.optim.owners import owner_loads
 
 # fp32 gradients of 8 samples summed in another order: a few ulps (~1e-7 relative).
@@ -245,12 +245,12 @@ def test_owners_balanced_and_deterministic() -> None:
         assign_owners([1], 0)
 
 
-def test_chunk_rows_match_torch_chunk() -> None:
+def test_rows_per_rank_match_torch_chunk() -> None:
     for rows in range(0, 12):
         for num_chunks in (1, 2, 3, 4):
             chunks = torch.arange(rows).chunk(num_chunks)
             sizes = [len(c) for c in chunks] + [0] * (num_chunks - len(chunks))
-            assert chunk_rows(rows, num_chunks) == sizes, (rows, num_chunks)
+            assert rows_per_rank(rows, num_chunks) == sizes, (rows, num_chunks)
 
 
 def test_rejects_what_torch_muon_rejects() -> None:

@@ -63,7 +63,7 @@ def shard_group_of(param: DTensor, name: str = "parameter") -> ShardGroup:
     return ShardGroup(mesh.get_group(axis), mesh.get_local_rank(axis), mesh.size(axis))
 
 
-def chunk_rows(rows: int, num_chunks: int) -> list[int]:
+def rows_per_rank(rows: int, num_chunks: int) -> list[int]:
     """Rows of each rank's block under ``torch.chunk`` (Shard(0)'s split); the
     last blocks may be short or empty."""
     per_chunk = -(-rows // num_chunks)
@@ -95,7 +95,7 @@ def orthogonalize_row_blocks(
     if size == 1:
         return [orthogonalize(b, *a) for b, a in zip(blocks, ns_args, strict=True)]
     owners = assign_owners([newton_schulz_cost(s) for s in shapes], size)
-    rows = [chunk_rows(s[0], size) for s in shapes]
+    rows = [rows_per_rank(s[0], size) for s in shapes]
     numel = [[r * s[1] for r in rs] for rs, s in zip(rows, shapes, strict=True)]
     owned = [i for i, owner in enumerate(owners) if owner == me]
 
@@ -117,6 +117,8 @@ def orthogonalize_row_blocks(
         cols = shapes[i][1]
         full = torch.cat([from_rank[s][k].view(rows[i][s], cols) for s in range(size)])
         results[i] = orthogonalize(full, *ns_args[i])
+    # The peak is the way back's: the results, send_back and back (docs/design.md).
+    del send, recv, from_rank
 
     # Back: to each rank in rank order, its rows of each matrix this rank owns.
     starts = [[sum(rs[:r]) for r in range(size)] for rs in rows]
