@@ -36,9 +36,11 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.testing import assert_close
 
+import fsdp2
 from fsdp2.optim import Muon, assign_owners, newton_schulz_cost
 from fsdp2.optim.exchange import rows_per_rank
 from fsdp2.optim.owners import owner_loads
@@ -106,14 +108,20 @@ def _parity(rank: int, world_size: int) -> None:
 
     dist.all_to_all_single = counting
     try:
-        for kind, frozen, kwargs in (
-            ("mlp", True, {}),
-            ("mlp", False, {"nesterov": False, "adjust_lr_fn": "match_rms_adamw"}),
-            ("transformer_tied", False, {}),
+        for kind, frozen, kwargs, fully_shard in (
+            ("mlp", True, {}, fsdp2.fully_shard),
+            (
+                "mlp",
+                False,
+                {"nesterov": False, "adjust_lr_fn": "match_rms_adamw"},
+                fsdp2.fully_shard,
+            ),
+            ("transformer_tied", False, {}, fsdp2.fully_shard),
+            ("mlp", False, {}, torch_fully_shard),  # any Shard(0) DTensor will do
         ):
-            with labelled(f"{kind}, frozen={frozen}, {kwargs}"):
+            with labelled(f"{kind}, frozen={frozen}, {kwargs}, {fully_shard.__module__}"):
                 ref = _build(kind, frozen)
-                model = shard_model(_build(kind, frozen))
+                model = shard_model(_build(kind, frozen), fully_shard)
                 optims = _optimizers(model, Muon, **kwargs)
                 ref_optims = _optimizers(ref, torch.optim.Muon, **kwargs)
                 for step in range(STEPS):
