@@ -11,6 +11,9 @@ below to GRAD_TOL. Newton-Schulz then runs in bfloat16, where such a difference
 can flip the rounding of an input element (2**-8 relative) and the iteration
 spreads it over the matrix: after a step the parameters of two runs whose
 gradients differ by 1 ulp can differ by up to lr * ~2**-7, far above fp32 noise.
+(Measured, stepping each optimizer on its own gradients, tied transformer, 2
+ranks: 1.2e-7 after steps 1-2, then 1.56e-4 = 0.02 * 2**-7 at step 3, 8.6e-4 by
+step 4: one bf16 rounding flip, then its spread.)
 So each step the reference trains on the global batch, its gradients are
 checked against the sharded ones, and then both optimizers step on the same
 (the sharded run's, gathered) gradients and must agree exactly.
