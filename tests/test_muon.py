@@ -21,6 +21,7 @@ checked against the sharded ones, and then both optimizers step on the same
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 from pathlib import Path
@@ -111,8 +112,11 @@ def _parity(rank: int, world_size: int) -> None:
 
     dist.all_to_all_single = counting
     try:
+        # min_numel_to_shard=600 leaves two of the MLP's weights Replicate()d.
+        small_replicated = functools.partial(fsdp2.fully_shard, min_numel_to_shard=600)
         for kind, frozen, kwargs, fully_shard in (
             ("mlp", True, {}, fsdp2.fully_shard),
+            ("mlp", False, {}, small_replicated),
             (
                 "mlp",
                 False,
@@ -122,9 +126,12 @@ def _parity(rank: int, world_size: int) -> None:
             ("transformer_tied", False, {}, fsdp2.fully_shard),
             ("mlp", False, {}, torch_fully_shard),  # any Shard(0) DTensor will do
         ):
-            with labelled(f"{kind}, frozen={frozen}, {kwargs}, {fully_shard.__module__}"):
+            with labelled(f"{kind}, frozen={frozen}, {kwargs}, {fully_shard}"):
                 ref = _build(kind, frozen)
                 model = shard_model(_build(kind, frozen), fully_shard)
+                if fully_shard is small_replicated:
+                    placements = {p.placements for p in model.parameters() if p.ndim == 2}
+                    assert placements == {(Replicate(),), (Shard(0),)}, placements
                 optims = _optimizers(model, Muon, **kwargs)
                 ref_optims = _optimizers(ref, torch.optim.Muon, **kwargs)
                 for step in range(STEPS):
