@@ -108,7 +108,7 @@ class Muon(torch.optim.Optimizer):
             for param in group["params"]:
                 if param.grad is None:
                     continue
-                update = self._momentum_update(param, group)
+                update = self._momentum_update(param, param.grad, group)
                 if isinstance(param, DTensor):
                     pending.setdefault(shard_group_of(param), []).append((param, update, group))
                 else:
@@ -124,10 +124,10 @@ class Muon(torch.optim.Optimizer):
                 _apply(param, result, group)
         return loss
 
-    def _momentum_update(self, param: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
+    def _momentum_update(
+        self, param: torch.Tensor, grad: torch.Tensor, group: dict[str, Any]
+    ) -> torch.Tensor:
         """Updates the momentum buffer; returns this rank's part of the update to orthogonalize."""
-        grad = param.grad
-        assert grad is not None
         if torch.is_complex(param):
             raise RuntimeError("fsdp2.optim.Muon does not support complex parameters")
         if grad.is_sparse:
