@@ -25,10 +25,12 @@ demo: setup
 	$(PY) scripts/train.py --nproc 2
 
 # fsdp2 vs torch's fully_shard vs DDP vs the no-communication floor (2 gloo ranks,
-# about a minute), then the hooks' CPU overhead (1 rank, 64 tiny groups).
+# about a minute), then the hooks' CPU overhead (1 rank, 64 tiny groups), then Muon's
+# optimizer step: fsdp2.optim.Muon vs torch.optim.Muon sharded and unsharded (seconds).
 bench: setup
 	$(PY) scripts/bench.py
 	$(PY) scripts/bench_overhead.py
+	$(PY) scripts/bench.py --optim muon
 
 lint: setup
 	$(VENV)/bin/ruff check fsdp2 tests scripts

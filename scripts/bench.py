@@ -14,6 +14,7 @@ fully_shard has no such counter).
     python scripts/bench.py --json out.json --dim 512 --layers 8
     python scripts/bench.py --mp bf16 --prefetch explicit
     python scripts/bench.py --torch-collectives  # + fsdp2 on torch's gloo collectives
+    python scripts/bench.py --optim muon         # Muon's optimizer step alone (bench_muon.py)
 """
 
 from __future__ import annotations
@@ -98,6 +99,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help=f"also run '{TORCH_COLLECTIVES}': fsdp2 calling torch's all-gather and "
         "reduce-scatter on gloo, to compare with fsdp2's own in the same interleaved run",
+    )
+    p.add_argument(
+        "--optim",
+        choices=("adamw", "muon"),
+        default="adamw",
+        help="adamw: the training-step benchmark above; muon: the optimizer step of "
+        "fsdp2.optim.Muon against torch.optim.Muon, sharded and unsharded, on --layers x "
+        "Linear(--dim, --dim) (scripts/bench_muon.py)",
     )
     p.add_argument("--json", help="also write the results to this file")
     args = p.parse_args(argv)
@@ -538,6 +547,11 @@ def phase_table(result: dict):
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.optim == "muon":
+        import bench_muon
+
+        bench_muon.main(args)
+        return
     with tempfile.TemporaryDirectory() as tmp:
         result_path = os.path.join(tmp, "result.json")
         mp.spawn(
