@@ -251,7 +251,12 @@ def _train(rank: int, world_size: int, case: Case) -> None:
         loss.backward()
         compiled.end_step()
         _check_versions_untouched(model)
-        assert_close(global_mean(loss, world_size), ref_loss.detach(), **tol, msg=f"step {step}")
+        assert_close(
+            global_mean(loss, world_size),
+            ref_loss.detach(),
+            **tol,
+            msg=lambda m, s=step: f"step {s}: {m}",
+        )
         for optim in optims:
             optim.step()
             optim.zero_grad()

@@ -7,7 +7,7 @@ splitting rows changes no bit; Newton-Schulz runs once, on the owner, on the
 reassembled matrix in torch's layout). The gradients themselves are not bitwise
 the unsharded run's: the sharded backward sums the global batch in another
 order (rank-local means, then a reduce-scatter), a few fp32 ulps apart, checked
-below to GRAD_TOL. Newton-Schulz then runs in bfloat16, where such a difference
+below to REF_TOL (tests/error_model.py). Newton-Schulz then runs in bfloat16, where such a difference
 can flip the rounding of an input element (2**-8 relative) and the iteration
 spreads it over the matrix: after a step the parameters of two runs whose
 gradients differ by 1 ulp can differ by up to lr * ~2**-7, far above fp32 noise.
@@ -32,6 +32,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from dist import fake_world, labelled, run_ranks
+from error_model import REF_TOL
 from models import build_model, global_batch, local_batch, mean_loss, shard_model
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
@@ -50,7 +51,6 @@ from fsdp2.optim.exchange import rows_per_rank
 from fsdp2.optim.owners import owner_loads
 
 # fp32 gradients of 8 samples summed in another order: a few ulps (~1e-7 relative).
-GRAD_TOL = {"rtol": 1e-5, "atol": 1e-6}
 STEPS = 3
 MUON = {"lr": 0.02, "weight_decay": 0.1, "momentum": 0.95}
 
@@ -81,7 +81,7 @@ def _step_in_parity(model, ref, optims, ref_optims, kind, step, rank, world_size
             assert ref_param.grad is None, name
             continue
         grad = param.grad.full_tensor()
-        assert_close(grad, ref_param.grad, **GRAD_TOL, msg=lambda m, n=name: f"{n}.grad: {m}")
+        assert_close(grad, ref_param.grad, **REF_TOL, msg=lambda m, n=name: f"{n}.grad: {m}")
         ref_param.grad = grad.clone()
     for optim in (*optims, *ref_optims):
         optim.step()
