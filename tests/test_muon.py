@@ -6,9 +6,9 @@ torch.optim.Muon's (momentum, weight decay and the update are elementwise, so
 splitting rows changes no bit; Newton-Schulz runs once, on the owner, on the
 reassembled matrix in torch's layout). The gradients themselves are not bitwise
 the unsharded run's: the sharded backward sums the global batch in another
-order (rank-local means, then a reduce-scatter), a few fp32 ulps apart, checked
-below to REF_TOL (tests/error_model.py). Newton-Schulz then runs in bfloat16, where such a difference
-can flip the rounding of an input element (2**-8 relative) and the iteration
+order (rank-local means, then a reduce-scatter), a few fp32 ulps apart,
+checked below to REF_TOL (tests/error_model.py). Newton-Schulz then runs in
+bfloat16, where such a difference can flip the rounding of an input element (2**-8 relative) and the iteration
 spreads it over the matrix: after a step the parameters of two runs whose
 gradients differ by 1 ulp can differ by up to lr * ~2**-7, far above fp32 noise.
 (Measured, stepping each optimizer on its own gradients, tied transformer, 2
