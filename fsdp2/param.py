@@ -211,33 +211,23 @@ class FSDPParam:
         self.reduce_dtype = self.mp_policy.reduce_dtype or self.param_dtype
 
     def reset_sharded_param(self) -> None:
-        """Adopts what ``nn.Module._apply`` (``model.to(torch.float64)``,
-        ``model.double()``) left in the module: the sharded parameter, changed in
-        place by ``swap_tensors`` (or a new one), whose dtype the unsharded
-        parameter and the gradients now follow. Called with the group sharded."""
+        """Adopts the parameter the module now holds, if it is not the sharded
+        one: what ``nn.Module._apply`` left (``model.to(torch.float64)``,
+        changed in place by ``swap_tensors``, or a new one), what
+        ``load_state_dict(assign=True)`` registered, or what the user assigned
+        between ``fully_shard`` and the first forward (a loader filling a
+        meta-device model: ``setattr(module, name, new_param)``). A DTensor
+        sharded like this parameter is adopted as it is, the very object, so
+        an optimizer built on ``model.parameters()`` steps it; the dtype the
+        unsharded parameter and the gradients follow is the new one. Called
+        with the group sharded."""
         slot = self.slots[0]
         param = slot.module._parameters[slot.name]
         if param is not self.sharded_param:
-            local = local_tensor(param) if isinstance(param, DTensor) else None
-            if (
-                local is None
-                or local.shape != self.local_shape
-                or param.placements != self.placements
-            ):
-                raise ValueError(
-                    f"fsdp2: {self.fqn!r} was replaced by a "
-                    + (
-                        f"{tuple(local.shape)} shard placed {param.placements}"
-                        if local is not None
-                        else f"{type(param).__name__}"
-                    )
-                    + f", but its shard here is {tuple(self.local_shape)} placed {self.placements}. "
-                    "Assign DTensors sharded like model.state_dict()'s (e.g. distribute_tensor("
-                    "full, param.device_mesh, param.placements)), or load full tensors without "
-                    "assign=True."
-                )
+            param = self._adoptable(param)
             param.__dict__[FSDP_SHARDED] = True
             self.sharded_param = param
+            self.requires_grad = param.requires_grad
             self._set_on_modules(param)
         if param.dtype != self.orig_dtype:
             self._init_dtypes(param.dtype)
@@ -245,6 +235,34 @@ class FSDPParam:
             self._unsharded_padded = None
             self.unsharded_param = None
             self._grad_spec = None
+
+    def _adoptable(self, param: torch.Tensor | None) -> nn.Parameter:
+        """``param`` as a sharded parameter of this layout, or a ValueError
+        saying why it cannot be one."""
+        if isinstance(param, DTensor):
+            local = local_tensor(param)
+            if (
+                local.shape == self.local_shape
+                and param.placements == self.placements
+                and param.device_mesh == self.mesh
+            ):
+                if isinstance(param, nn.Parameter):
+                    return param
+                return nn.Parameter(param, requires_grad=param.requires_grad)
+            got = f"a {tuple(local.shape)} shard placed {param.placements} on {param.device_mesh}"
+        elif isinstance(param, torch.Tensor):
+            got = f"a {type(param).__name__} of shape {tuple(param.shape)}"
+        else:
+            got = repr(param)
+        raise ValueError(
+            f"fsdp2: {self.fqn!r} was replaced by {got}, but it is "
+            f"{tuple(self.orig_size)} sharded as a {tuple(self.local_shape)} shard placed "
+            f"{self.placements} on {self.mesh}. Assign a DTensor sharded like it "
+            "(distribute_tensor(full, param.device_mesh, param.placements)), or load full "
+            "tensors with model.load_state_dict(...), which shards them in place. (A plain "
+            "tensor cannot be adopted as the same Parameter object, and an optimizer "
+            "holding it would silently never update it.)"
+        )
 
     def _sharded_layout(self):
         """The mesh and placements of the sharded parameter (see [Note: FSDP over
@@ -321,6 +339,14 @@ class FSDPParam:
         """This rank's inputs to the group's all-gather, flat, each at most its
         slot long: the local shard (cast to ``param_dtype`` by the copy-in), or
         what the subclass's ``fsdp_pre_all_gather`` returns."""
+        slot = self.slots[0]
+        if slot.module._parameters[slot.name] is not self.sharded_param:
+            raise RuntimeError(
+                f"fsdp2: {self.fqn!r} was replaced on its module after the first forward; "
+                "the replacement would be overwritten by the next all-gather. Assign new "
+                "parameters before the first forward, or copy values into the existing one "
+                "in place (with torch.no_grad(): param.copy_(...), or load_state_dict)."
+            )
         local = local_tensor(self.sharded_param)
         if self.extension is None:
             return [local.view(-1)]
