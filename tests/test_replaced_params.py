@@ -156,3 +156,73 @@ def test_replacements_that_cannot_be_adopted(tmp_path: Path) -> None:
     and a replacement after the first forward each raise an error naming the
     parameter, at the next forward."""
     run_ranks(_refused, WORLD_SIZE, tmp_path)
+
+
+# -- transformers' own FSDP loading ---------------------------------------------
+
+
+def _hf_load(path: str, shard) -> nn.Module:
+    """``from_pretrained(..., distributed_config=DistributedConfig(fsdp_size=2))``,
+    which shards the model on the meta device with ``shard`` and then assigns the
+    checkpoint's values as new parameters on their modules."""
+    import transformers.distributed.fsdp as hf_fsdp
+    from transformers import LlamaForCausalLM
+    from transformers.distributed import DistributedConfig
+
+    original = hf_fsdp.fully_shard
+    hf_fsdp.fully_shard = shard
+    try:
+        config = DistributedConfig(fsdp_size=WORLD_SIZE)
+        return LlamaForCausalLM.from_pretrained(path, distributed_config=config)
+    finally:
+        hf_fsdp.fully_shard = original
+
+
+def _hf_from_pretrained(rank: int, world_size: int, path: str) -> None:
+    import fsdp2
+
+    models = [_hf_load(path, fsdp2.fully_shard), _hf_load(path, torch_fully_shard)]
+    for name, param in models[0].named_parameters():
+        assert isinstance(param, DTensor), f"{name} is a {type(param).__name__}"
+    if models[0].config.tie_word_embeddings:
+        assert models[0].lm_head.weight is models[0].model.embed_tokens.weight, "untied"
+    optims = [make_optimizer(m) for m in models]
+    gen = torch.Generator().manual_seed(0)
+    for step in range(STEPS):
+        tokens = torch.randint(HF_VOCAB, (4 * world_size, 8), generator=gen).chunk(world_size)[rank]
+        losses = [m(tokens, labels=tokens).loss for m in models]
+        for loss in losses:
+            loss.backward()
+        assert_close(losses[0], losses[1], **EXACT, msg=f"step {step}")
+        for optim in optims:
+            optim.step()
+            optim.zero_grad()
+    theirs = dict(models[1].named_parameters())
+    for name, param in models[0].named_parameters():
+        assert_close(param.to_local(), theirs[name].to_local(), **EXACT, msg=name)
+
+
+HF_VOCAB = 64
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_transformers_from_pretrained_with_fsdp(tied: bool, tmp_path: Path) -> None:
+    """transformers' FSDP loading with fsdp2 in place of torch's fully_shard
+    (a tiny Llama saved to tmp_path, untied and tied embeddings): the assigned
+    parameters are adopted, and 3 steps give torch's losses and parameters bit
+    for bit (2 ranks, tests/error_model.py)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=HF_VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=16,
+        tie_word_embeddings=tied,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "llama")
+    run_ranks(_hf_from_pretrained, WORLD_SIZE, tmp_path / "ranks", str(tmp_path / "llama"))
