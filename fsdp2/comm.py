@@ -8,8 +8,8 @@ it runs on.
 - CPU (gloo): the collective is issued with ``async_op=True`` and runs on
   gloo's worker thread while the Python thread goes on computing; ``wait()``
   blocks on the returned work handle.
-- Accelerators (CUDA and the like, through the device-agnostic ``torch.Stream``
-  and ``torch.accelerator`` APIs): the comm stream first waits for the current
+- Accelerators (CUDA and the like, through the comm context's ``DeviceOps``,
+  see device_ops.py): the comm stream first waits for the current
   stream (so it sees the copy-in), the collective runs on that high-priority
   stream, and an event is recorded; ``wait()`` makes the then-current stream
   wait on the event, without blocking the CPU.
@@ -29,6 +29,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from .device_ops import DeviceOps
 from .primitives import Waitable
 from .private_api import profiled
 from .stats import CollectiveStats, CommStats
@@ -39,13 +40,14 @@ class InFlight(NamedTuple):
 
     work: Waitable | None  # CPU: the async work handle
     event: torch.Event | None  # accelerator: recorded on the comm stream after the collective
+    ops: DeviceOps | None  # accelerator: whose current stream waits on ``event``
     label: str  # e.g. "all-gather of 'layers.3'", for errors
     stats: CollectiveStats | None  # where to record the wait, when recording
 
     @classmethod
     def done(cls) -> InFlight:
         """Nothing to wait for (a world of one rank exchanges nothing)."""
-        return cls(None, None, "", None)
+        return cls(None, None, None, "", None)
 
     def is_completed(self) -> bool:
         if self.work is not None:
@@ -71,8 +73,8 @@ class InFlight(NamedTuple):
                     f"{error}. A peer rank may have died, raised, or run a different sequence "
                     "of collectives."
                 ) from error
-        if self.event is not None:
-            torch.accelerator.current_stream(self.event.device).wait_event(self.event)
+        if self.event is not None and self.ops is not None:
+            self.ops.current_stream().wait_event(self.event)
         if self.stats is not None:
             self.stats.wait_seconds += time.perf_counter() - start
             self.stats.ready_when_waited += ready
@@ -83,16 +85,26 @@ class CommContext:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.uses_streams = device.type != "cpu"
+        # Streams and events: none on CPU, where gloo's threads run the collectives.
+        self.ops: DeviceOps | None = DeviceOps(device) if device.type != "cpu" else None
         self._streams: dict[str, torch.Stream] = {}
         self.stats: CommStats | None = None  # set while ``comm_stats`` is open
         # Accelerators: ``set_post_optim_event``'s event, waited for by the next all-gather.
         self.post_optim_event: torch.Event | None = None
 
-    def _stream(self, name: str) -> torch.Stream:
+    @property
+    def uses_streams(self) -> bool:
+        return self.ops is not None
+
+    def use_device_ops(self, ops: DeviceOps | None) -> None:
+        """Runs the streams and events through ``ops`` from now on (tests: a
+        model of streams on CPU ranks), or none (CPU)."""
+        self.ops = ops
+        self._streams.clear()
+
+    def _stream(self, ops: DeviceOps, name: str) -> torch.Stream:
         if name not in self._streams:
-            # Negative priority = high: communication must not queue behind compute kernels.
-            self._streams[name] = torch.Stream(device=self.device, priority=-1)
+            self._streams[name] = ops.new_stream()
         return self._streams[name]
 
     def issue(
@@ -112,18 +124,19 @@ class CommContext:
             stats.count += 1
             stats.bytes += nbytes
         with profiled(kind, group_name):
-            if not self.uses_streams:
-                return InFlight(collective(True), None, label, stats)
-            stream = self._stream(kind)
+            ops = self.ops
+            if ops is None:
+                return InFlight(collective(True), None, None, label, stats)
+            stream = self._stream(ops, kind)
             if kind == "all_gather" and (event := self.post_optim_event) is not None:
                 stream.wait_event(event)  # the optimizer step has written the shards
                 self.post_optim_event = None
             # The copy-in ran on the current stream.
-            stream.wait_stream(torch.accelerator.current_stream(self.device))
+            stream.wait_stream(ops.current_stream())
             with stream:
                 collective(False)
                 event = stream.record_event()
-        return InFlight(None, event, label, stats)
+        return InFlight(None, event, ops, label, stats)
 
     def run_hook(
         self,
@@ -134,10 +147,10 @@ class CommContext:
         """Runs a user hook on a finished reduction (``set_all_reduce_hook``): on
         ``stream`` if one was given (accelerators), ordered after the reduction
         and before anything that reads ``tensor`` next."""
-        if stream is None:
+        if stream is None or self.ops is None:
             hook(tensor)
             return
-        current = torch.accelerator.current_stream(self.device)
+        current = self.ops.current_stream()
         stream.wait_stream(current)
         with stream:
             hook(tensor)

@@ -80,7 +80,7 @@ class SyncComm:
         self, kind: str, group_fqn: str, nbytes: int, collective: Callable[[bool], object]
     ) -> InFlight:
         collective(False)
-        return InFlight(work=None, event=None, label=kind, stats=None)
+        return InFlight(work=None, event=None, ops=None, label=kind, stats=None)
 
 
 @contextmanager
