@@ -240,7 +240,7 @@ class FSDPModule:
             raise TypeError(f"set_all_reduce_hook expects a callable, got {type(hook).__name__}.")
         state = self._fsdp_state
         if stream is not None:
-            if state.device.type == "cpu":
+            if not state.ctx.comm.uses_streams:
                 raise ValueError(
                     "set_all_reduce_hook(stream=...) needs an accelerator; on CPU the hook runs "
                     "where the reduction finished. Leave stream=None."
