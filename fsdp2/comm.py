@@ -89,7 +89,7 @@ class CommContext:
         self.ops: DeviceOps | None = DeviceOps(device) if device.type != "cpu" else None
         self._streams: dict[str, torch.Stream] = {}
         self.stats: CommStats | None = None  # set while ``comm_stats`` is open
-        # Accelerators: ``set_post_optim_event``'s event, waited for by the next all-gather.
+        # Accelerators: ``set_post_optim_event``'s event, waited for by the next copy-in.
         self.post_optim_event: torch.Event | None = None
 
     @property
@@ -128,15 +128,20 @@ class CommContext:
             if ops is None:
                 return InFlight(collective(True), None, None, label, stats)
             stream = self._stream(ops, kind)
-            if kind == "all_gather" and (event := self.post_optim_event) is not None:
-                stream.wait_event(event)  # the optimizer step has written the shards
-                self.post_optim_event = None
             # The copy-in ran on the current stream.
             stream.wait_stream(ops.current_stream())
             with stream:
                 collective(False)
                 event = stream.record_event()
         return InFlight(None, event, ops, label, stats)
+
+    def wait_for_optimizer(self) -> None:
+        """Before a copy-in reads the shards: the current stream waits for
+        ``set_post_optim_event``'s event (the optimizer step on another stream
+        has written them), once."""
+        if self.ops is not None and (event := self.post_optim_event) is not None:
+            self.ops.current_stream().wait_event(event)
+            self.post_optim_event = None
 
     def run_hook(
         self,

@@ -331,11 +331,12 @@ class FSDPModule:
             group.reduce_scatter_comm = comm
 
     def set_post_optim_event(self, event: torch.Event) -> None:
-        """Accelerators: makes the next forward's first all-gather wait for
-        ``event`` (recorded after the optimizer step), which then applies to
-        the whole model. Call it on the root with a new event every iteration.
-        fsdp2 copies the shards into the all-gather buffer on the current stream,
-        so that copy is ordered after all earlier work on it anyway."""
+        """Accelerators: makes the current stream wait for ``event`` (recorded
+        after an optimizer step on another stream) before the next forward's
+        first copy-in reads the shards; it applies to the whole model. Call it
+        on the root with a new event every iteration. The gradients that step
+        read must stay referenced until then (e.g. ``zero_grad()`` after the
+        next forward), or their memory may be reused while it runs."""
         ctx = self._fsdp_state.ctx
         if not ctx.comm.uses_streams:
             raise ValueError(

@@ -124,6 +124,8 @@ class FSDPParamGroup:
             self._start_all_gather()
 
     def _start_all_gather(self) -> None:
+        # Everything below reads the shards (an extension's pre_all_gather too).
+        self.ctx.comm.wait_for_optimizer()
         if self.sharded_state is ShardedState.SHARDED_POST_FORWARD:
             info = self._post_forward_info()
             shard = self._post_forward_shard

@@ -49,7 +49,6 @@ SCENARIOS = [
 ]
 XFAIL = {
     "all-reduce hook on a stream, raising": "8, the hook's stream not joined when it raises",
-    "optimizer on a side stream": "1, the copy-in does not wait for the post-optimizer event",
 }
 
 
