@@ -148,15 +148,28 @@ class CommContext:
         hook: Callable[[torch.Tensor], None],
         tensor: torch.Tensor,
         stream: torch.Stream | None,
-    ) -> None:
+    ) -> torch.Event | None:
         """Runs a user hook on a finished reduction (``set_all_reduce_hook``): on
-        ``stream`` if one was given (accelerators), ordered after the reduction
-        and before anything that reads ``tensor`` next."""
+        ``stream`` if one was given (accelerators), ordered after the reduction.
+        Returns None if it ran on the current stream, else the event after it,
+        which the current stream must wait for (``wait_event``) before it reads
+        or frees ``tensor``: in between, compute overlaps the hook. If the hook
+        raises, the current stream waits for it here (``tensor`` is about to be
+        freed)."""
         if stream is None or self.ops is None:
             hook(tensor)
-            return
+            return None
         current = self.ops.current_stream()
         stream.wait_stream(current)
-        with stream:
-            hook(tensor)
-        current.wait_stream(stream)
+        try:
+            with stream:
+                hook(tensor)
+        except BaseException:
+            current.wait_stream(stream)
+            raise
+        return stream.record_event()
+
+    def wait_event(self, event: torch.Event) -> None:
+        """Orders the current stream after ``event`` (accelerators)."""
+        if self.ops is not None:
+            self.ops.current_stream().wait_event(event)

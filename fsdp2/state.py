@@ -66,6 +66,9 @@ class RootContext:
         # up to reduce_scatter_max_input_buffers reduce-scatters, one all-reduce.
         self.reduce_scatters_in_flight: deque[tuple[FSDPParamGroup, ReduceInFlight]] = deque()
         self.all_reduce_in_flight: tuple[FSDPParamGroup, ReduceInFlight] | None = None
+        # Reductions whose all-reduce hook runs on a stream of its own: assigned
+        # once the current stream has waited for the event after the hook.
+        self.hooks_in_flight: deque[tuple[ReduceInFlight, torch.Event]] = deque()
         # The largest of the groups' set_reduce_scatter_max_input_buffers (at lazy init).
         self.reduce_scatter_max_input_buffers = 1
         self.forward_root: FSDPState | None = None  # the state whose forward is running outermost
@@ -101,6 +104,9 @@ class RootContext:
                 logger.warning("fsdp2: dropping a failed gradient reduction while resetting")
         self.reduce_scatters_in_flight.clear()
         self.all_reduce_in_flight = None
+        for _, event in self.hooks_in_flight:
+            self.comm.wait_event(event)  # a stream wait, then the buffers can go
+        self.hooks_in_flight.clear()
         for state in self.states:
             state.modules_to_run.clear()
         self.forward_root = None
@@ -166,7 +172,17 @@ class RootContext:
             average(reduced)
             if group.all_reduce_hook is not None:
                 hook, stream = group.all_reduce_hook, group.all_reduce_hook_stream
-                self.comm.run_hook(hook, reduced.output, stream)
+                event = self.comm.run_hook(hook, reduced.output, stream)
+                if event is not None:
+                    # The hook's stream overlaps the rest of backward: assigned at its end.
+                    self.hooks_in_flight.append((reduced, event))
+                    return
+            assign_sharded_grads(reduced)
+
+    def finish_hooks(self) -> None:
+        while self.hooks_in_flight:
+            reduced, event = self.hooks_in_flight.popleft()
+            self.comm.wait_event(event)
             assign_sharded_grads(reduced)
 
     def start_forward(self) -> None:
@@ -217,6 +233,7 @@ class RootContext:
             if self.is_last_backward:
                 self.finish_reduce_scatters()
                 self.finish_all_reduce()
+                self.finish_hooks()
             for group in self.groups:
                 group.finalize_backward()
             self.post_forward_order.clear()

@@ -162,6 +162,19 @@ class StreamModel(TorchDispatchMode):
             if (state := get_fsdp_state(module)) is not None:
                 state.ctx.comm.use_device_ops(self)  # type: ignore[arg-type]
 
+    # -- points, for overlap -------------------------------------------------
+
+    def point(self) -> tuple[int, int]:
+        """Where the current stream is: (stream, ticks), the last op run on it."""
+        index = self.current_stream().index
+        return index, self.clocks[index][index]
+
+    def after(self, point: tuple[int, int]) -> bool:
+        """Whether the current stream is ordered after ``point`` (its next op
+        cannot start before the op at ``point`` has finished)."""
+        stream, tick = point
+        return self.clocks[self.current_stream().index].get(stream, 0) >= tick
+
     # -- the record --------------------------------------------------------
 
     def _ordered(self, access: Access, stream: int) -> bool:
