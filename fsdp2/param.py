@@ -459,6 +459,14 @@ class FSDPParam:
             self.unsynced_grad = None
         return grad
 
+    def drop_unsharded_grads(self) -> None:
+        """Recovery (``reset_iter_state``): forgets the unsharded gradients of the
+        interrupted iteration without computing anything from them (no
+        redistribute, no cast)."""
+        if self.unsharded_param is not None:
+            self.unsharded_param.grad = None
+        self.unsynced_grad = None
+
     def zero_unsharded_grad(self) -> torch.Tensor:
         return torch.zeros(self.unsharded_size, dtype=self.reduce_dtype, device=self.device)
 

@@ -417,7 +417,7 @@ class FSDPParamGroup:
         self.reshard()
         for fsdp_param in self.fsdp_params:
             fsdp_param.free_unsharded()  # also what a failed copy-out left allocated
-            fsdp_param.take_unsharded_grad()
+            fsdp_param.drop_unsharded_grads()
             fsdp_param.partial_grad = None
             fsdp_param.sharded_param.grad = None
         self._post_forward_indices.clear()

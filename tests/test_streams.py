@@ -20,6 +20,7 @@ from test_extension import DIM as EXTENSION_DIM
 from test_extension import OUT
 from test_extension import Model as ExtensionModel
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
 
 import fsdp2
 
@@ -259,3 +260,28 @@ def _without_waits(rank: int, world_size: int) -> None:
 @pytest.mark.distributed
 def test_negative_control_without_waits_reports_violations(tmp_path: Path) -> None:
     run_ranks(_without_waits, 2, tmp_path)
+
+
+def _reset_runs_nothing(rank: int, world_size: int) -> None:
+    mp = fsdp2.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    # Kept unsharded after forward, as backward would find them.
+    model = shard_model(build_model("mlp"), mp_policy=mp, reshard_after_forward=False)
+    streams = StreamModel()
+    streams.plug_into(model)
+    inputs, _ = local_batch(global_batch("mlp", 0), rank, world_size)
+    with streams:
+        model(inputs)
+        # As if backward had stopped after the root's gradients were computed.
+        for param in model.parameters():
+            assert not isinstance(param, DTensor)  # the unsharded parameters
+            param.grad = torch.ones_like(param)
+        ops = dict(streams.ops_by_stream)
+        model.reset_iter_state()
+    # Recovery only drops references: no cast, no redistribute, no collective.
+    assert streams.ops_by_stream == ops, (ops, streams.ops_by_stream)
+    assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.distributed
+def test_reset_iter_state_only_drops_references(tmp_path: Path) -> None:
+    run_ranks(_reset_runs_nothing, 2, tmp_path)
