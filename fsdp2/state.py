@@ -397,9 +397,8 @@ class FSDPState:
             self.ctx.forward_root = self
             self.ctx.start_forward()
             if self.device.type != "cpu":
-                args, kwargs = map_tensors(
-                    (args, kwargs), lambda t: t.to(self.device, non_blocking=True)
-                )
+                # Blocking, as DDP: the caller may refill a pinned staging buffer next.
+                args, kwargs = map_tensors((args, kwargs), lambda t: t.to(self.device))
         args, kwargs = self._cast_inputs(args, kwargs)
         if not self.param_groups:
             return args, kwargs
