@@ -21,14 +21,17 @@ class UnshardHandle:
     unsharded parameters usable."""
 
     def __init__(self, groups: list[FSDPParamGroup]) -> None:
-        # The all-gather each group had in flight when the handle was made.
-        self._all_gathers = [(group, group._all_gather) for group in groups]
+        # Which all-gather each group had in flight when the handle was made, by
+        # number: the handle must not keep the buffer alive after forward used it.
+        self._all_gathers = [
+            (group, group.all_gathers_started) for group in groups if group.all_gather_in_flight
+        ]
 
     def wait(self) -> None:
         """Idempotent, and a no-op once the module's forward has used the all-gathers."""
         all_gathers, self._all_gathers = self._all_gathers, []
-        for group, all_gather in all_gathers:
-            if all_gather is not None and group._all_gather is all_gather:
+        for group, number in all_gathers:
+            if group.all_gather_in_flight and group.all_gathers_started == number:
                 group.wait_for_unshard()
 
 

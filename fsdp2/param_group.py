@@ -101,6 +101,7 @@ class FSDPParamGroup:
         self.training_state = TrainingState.IDLE
         self.sharded_state = ShardedState.SHARDED
         self._all_gather: AllGatherInFlight | None = None
+        self.all_gathers_started = 0  # tells one all-gather from the next (UnshardHandle)
         # Positions of this group in ctx.post_forward_order, one per forward call.
         self._post_forward_indices: list[int] = []
         # The PostBackward nodes of the forward in progress (see pre_forward).
@@ -143,6 +144,7 @@ class FSDPParamGroup:
             )
             check.before_collective("all-gather", self, info.shard_group, numel)
         logger.debug("%s: all-gather issued (%s)", self.name, self.sharded_state.name)
+        self.all_gathers_started += 1
         self._all_gather = all_gather(
             inputs,
             slots,
