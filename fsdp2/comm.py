@@ -131,7 +131,11 @@ class CommContext:
             # The copy-in ran on the current stream.
             stream.wait_stream(ops.current_stream())
             with stream:
-                collective(False)
+                work = collective(False)
+                if work is not None:
+                    # A custom collective may return a handle even so: on an
+                    # accelerator its wait() orders this stream after it.
+                    work.wait()
                 event = stream.record_event()
         return InFlight(None, event, ops, label, stats)
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from dist import run_ranks
+from dist import fake_world, run_ranks
 from models import build_model, global_batch, local_batch, mean_loss, shard_model
 from stream_model import StreamModel
 from test_extension import DIM as EXTENSION_DIM
@@ -285,3 +285,44 @@ def _reset_runs_nothing(rank: int, world_size: int) -> None:
 @pytest.mark.distributed
 def test_reset_iter_state_only_drops_references(tmp_path: Path) -> None:
     run_ranks(_reset_runs_nothing, 2, tmp_path)
+
+
+class HandleReturningAllGather:
+    """A custom all-gather that returns a work handle even with ``async_op=False``
+    (as a backend's own collective may); records whether it was waited for."""
+
+    def __init__(self) -> None:
+        self.waited: list[bool] = []
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        dist.all_gather_into_tensor(output_tensor, input_tensor, group=group)
+        handle = self
+
+        class Work:
+            def wait(self) -> bool:
+                handle.waited.append(async_op)
+                return True
+
+            def is_completed(self) -> bool:
+                return True
+
+        return Work()
+
+
+def test_custom_all_gather_handle_is_waited_for() -> None:
+    """Issue 19, defect 13: on an accelerator the handle is waited on the
+    all-gather stream, as torch does."""
+    with fake_world(2):
+        model = shard_model(build_model("mlp"))
+        streams = StreamModel()
+        streams.plug_into(model)
+        custom = HandleReturningAllGather()
+        for layer in model.layers:
+            layer.set_custom_all_gather(custom)
+        with streams:
+            model(torch.randn(4, 17)).sum().backward()
+        # Forward and backward, one all-gather each per layer, every one waited.
+        assert custom.waited == [False] * 6, custom.waited
