@@ -62,6 +62,8 @@ class RootContext:
         self.pre_forward_order: list[FSDPParamGroup] = []
         self.next_in_forward: dict[FSDPParamGroup, FSDPParamGroup] = {}
         self.forward_started: set[FSDPParamGroup] = set()
+        # The implicit forward prefetch in flight: dropped if another group starts first.
+        self.forward_guess: FSDPParamGroup | None = None
         # Gradient reduction in flight, oldest first (see make_room_for_reduce_scatter):
         # up to reduce_scatter_max_input_buffers reduce-scatters, one all-reduce.
         self.reduce_scatters_in_flight: deque[tuple[FSDPParamGroup, ReduceInFlight]] = deque()
@@ -113,6 +115,7 @@ class RootContext:
         self.post_forward_order.clear()
         self.pre_forward_order.clear()
         self.forward_started.clear()
+        self.forward_guess = None
         self.final_callback_queued = False
         if self.order_check is not None:
             self.order_check.discard_iteration()
@@ -192,13 +195,26 @@ class RootContext:
         Forward runs the groups in the same order every iteration unless the
         model branches on data, so the group that followed G last time is
         all-gathered as soon as G's forward starts, overlapping its compute. A
-        wrong guess costs one all-gather, drained at the end of forward.
+        wrong guess costs one all-gather, dropped when the next guess is made
+        (``guess_next``): one guess is alive at a time. (Dropping it as soon as
+        another group starts would all-gather it again if it runs later, and
+        on one rank only when the ranks' orders differ.)
         """
         order = self.pre_forward_order
         if order:
             self.next_in_forward = dict(zip(order, order[1:], strict=False))
             self.pre_forward_order = []
         self.forward_started.clear()
+        self.forward_guess = None
+
+    def guess_next(self, target: FSDPParamGroup) -> None:
+        """Implicit forward prefetch of ``target``. The previous guess, if its
+        forward has not started, was wrong: its all-gather output is freed
+        first, so one guess at most is alive next to the running group."""
+        guess, self.forward_guess = self.forward_guess, target
+        if guess is not None and guess is not target and guess not in self.forward_started:
+            guess.cancel_unshard()
+        target.unshard()
 
     def finish_partial_forwards(self, forward_root: FSDPState) -> None:
         """End of the outermost forward: a group of several modules of which only
@@ -416,7 +432,7 @@ class FSDPState:
             # unless it already ran in this forward (the order changed).
             target = self.ctx.next_in_forward.get(self.param_groups[-1])
             if target is not None and target not in self.ctx.forward_started:
-                target.unshard()
+                self.ctx.guess_next(target)
         else:
             for state in self.forward_prefetch:
                 for target in state.param_groups:
