@@ -419,8 +419,10 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
 
 def share_comm_ctx(modules: list[FSDPModule]) -> None:
     """Makes several roots (e.g. the model chunks of pipeline stages) use one
-    set of communication streams instead of one each, which keeps the memory
-    of their collectives in one place on accelerators."""
+    set of communication streams and one reduce-scatter queue instead of one
+    each: the memory of their collectives stays in one place on accelerators,
+    and ``set_reduce_scatter_max_input_buffers``' bound holds for them all
+    together (each root's own bound decides when it makes room)."""
     if not modules:
         return
     for module in modules:
@@ -428,6 +430,8 @@ def share_comm_ctx(modules: list[FSDPModule]) -> None:
             raise ValueError(
                 f"share_comm_ctx expects modules passed to fully_shard, got {type(module).__name__}."
             )
-    shared = modules[0]._fsdp_state.ctx.comm
+    shared = modules[0]._fsdp_state.ctx
     for module in modules[1:]:
-        module._fsdp_state.ctx.comm = shared
+        ctx = module._fsdp_state.ctx
+        ctx.comm = shared.comm
+        ctx.reduce_scatters_in_flight = shared.reduce_scatters_in_flight

@@ -65,7 +65,8 @@ class RootContext:
         # The implicit forward prefetch in flight: dropped if another group starts first.
         self.forward_guess: FSDPParamGroup | None = None
         # Gradient reduction in flight, oldest first (see make_room_for_reduce_scatter):
-        # up to reduce_scatter_max_input_buffers reduce-scatters, one all-reduce.
+        # up to reduce_scatter_max_input_buffers reduce-scatters (the queue shared by
+        # the roots of share_comm_ctx), one all-reduce.
         self.reduce_scatters_in_flight: deque[tuple[FSDPParamGroup, ReduceInFlight]] = deque()
         self.all_reduce_in_flight: tuple[FSDPParamGroup, ReduceInFlight] | None = None
         # Reductions whose all-reduce hook runs on a stream of its own: assigned
@@ -96,7 +97,11 @@ class RootContext:
         an exception interrupted forward or backward."""
         for group in self.groups:
             group.reset()
-        in_flight = list(self.reduce_scatters_in_flight)
+        # The queue may be shared with other roots (share_comm_ctx): only this
+        # root's reductions are dropped.
+        queue = self.reduce_scatters_in_flight
+        in_flight = [(g, r) for g, r in queue if g.ctx is self]
+        others = [(g, r) for g, r in queue if g.ctx is not self]
         if self.all_reduce_in_flight is not None:
             in_flight.append(self.all_reduce_in_flight)
         for _, reduced in in_flight:
@@ -104,7 +109,8 @@ class RootContext:
                 reduced.wait()
             except RuntimeError:
                 logger.warning("fsdp2: dropping a failed gradient reduction while resetting")
-        self.reduce_scatters_in_flight.clear()
+        queue.clear()
+        queue.extend(others)
         self.all_reduce_in_flight = None
         for _, event in self.hooks_in_flight:
             self.comm.wait_event(event)  # a stream wait, then the buffers can go
@@ -143,6 +149,11 @@ class RootContext:
         one (``set_requires_all_reduce(False)``). One all-reduce is in flight:
         starting the next finishes the previous."""
         group, reduced = self.reduce_scatters_in_flight.popleft()
+        group.ctx.finish_reduce_scatter(group, reduced)
+
+    def finish_reduce_scatter(self, group: FSDPParamGroup, reduced: ReduceInFlight) -> None:
+        """The rest of ``_finish_oldest_reduce_scatter``, by the root of ``group``
+        (which, with ``share_comm_ctx``, may not be the root whose queue it was in)."""
         reduced.wait()
         replicate_group = group.mesh_info.replicate_group
         if replicate_group is None:
