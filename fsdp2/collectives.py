@@ -149,18 +149,25 @@ def reduce_scatter(
     (summing) reduce-scatter (``custom``'s, if set); replicated parameters'
     gradients are packed after it and all-reduced.
 
-    The caller drops its references to ``unsharded_grads`` afterwards: the
-    packed copies are all the collectives need.
+    The gradients may be in the parameters' dtype: packing casts them to the
+    reduce dtype, so no reduce-dtype copy of a whole gradient is made (with
+    bf16 parameters and fp32 reduction: 2 + 4 bytes per element at the peak,
+    not 4 + 4). The caller drops its references to ``unsharded_grads``
+    afterwards: the packed copies are all the collectives need.
     """
+    reduce_dtype = fsdp_params[0].reduce_dtype
+    if len({g.dtype for g in unsharded_grads}) > 1:
+        # The fused copy-in takes one dtype (e.g. a zero gradient next to others).
+        unsharded_grads = [g.to(reduce_dtype) for g in unsharded_grads]
     pairs = list(zip(fsdp_params, unsharded_grads, strict=True))
     sharded = [(p, g) for p, g in pairs if not p.replicated]
     replicated = [(p, g) for p, g in pairs if p.replicated]
     shard_numel = sum(p.padded_shard_numel for p, _ in sharded)
     replicated_numel = sum(g.numel() for _, g in replicated)
-    grad = unsharded_grads[0]
+    device = unsharded_grads[0].device
     # bf16/fp16: average before the sum so that it cannot overflow.
-    pre_divide = grad.dtype.itemsize < 4
-    reduce_scatter_input = allocate(custom, world_size * shard_numel, grad.dtype, grad.device).view(
+    pre_divide = reduce_dtype.itemsize < 4
+    reduce_scatter_input = allocate(custom, world_size * shard_numel, reduce_dtype, device).view(
         world_size, shard_numel
     )
     # A world of one exchanges nothing: the input is the whole output, unless
@@ -169,7 +176,7 @@ def reduce_scatter(
     if input_is_output:
         output = reduce_scatter_input.view(-1)
     else:
-        output = allocate(custom, shard_numel + replicated_numel, grad.dtype, grad.device)
+        output = allocate(custom, shard_numel + replicated_numel, reduce_dtype, device)
     # Empty gradients have empty slots; the fused copy rejects them. It pads and
     # chunks dim 0: a gradient sharded on another dim goes in as its rank-major view.
     nonempty = [g if p.shard_dim == 0 else p.rank_major(g, world_size) for p, g in sharded]

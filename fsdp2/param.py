@@ -433,9 +433,11 @@ class FSDPParam:
 
     # -- gradients --------------------------------------------------------
 
-    def take_unsharded_grad(self) -> torch.Tensor | None:
+    def take_unsharded_grad(self, *, cast: bool = True) -> torch.Tensor | None:
         """Detaches the gradient of this backward (plus any unsynced ones) from
-        the unsharded parameter, in ``reduce_dtype``."""
+        the unsharded parameter, in ``reduce_dtype`` (``cast=False``: as it is,
+        unless unsynced ones were added; the reduce-scatter copy-in casts while
+        packing, so no reduce-dtype copy of the whole gradient is made)."""
         param = self.unsharded_param
         grad = None if param is None else param.grad
         if param is not None and grad is not None:
@@ -453,9 +455,11 @@ class FSDPParam:
                 if grad.placements != target:
                     grad = grad.redistribute(placements=target)
                 grad = grad.to_local()
-            grad = grad.to(self.reduce_dtype)
+            if cast:
+                grad = grad.to(self.reduce_dtype)
         if self.unsynced_grad is not None:
-            grad = self.unsynced_grad if grad is None else grad.add_(self.unsynced_grad)
+            # In reduce dtype, owned here: this backward's gradient is added into it.
+            grad = self.unsynced_grad if grad is None else self.unsynced_grad.add_(grad)
             self.unsynced_grad = None
         return grad
 

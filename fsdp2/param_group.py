@@ -326,7 +326,7 @@ class FSDPParamGroup:
                 return
             reduced, grads = [], []
             for fsdp_param in self.fsdp_params:
-                grad = fsdp_param.take_unsharded_grad()
+                grad = fsdp_param.take_unsharded_grad(cast=False)
                 if (
                     grad is None
                     and fsdp_param.requires_grad
