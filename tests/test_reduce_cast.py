@@ -22,9 +22,9 @@ class FloatCopies(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if func is torch.ops.aten._to_copy.default and args[0].dtype == torch.bfloat16:
-            if out.dtype == torch.float32:
-                self.shapes.append(tuple(out.shape))
+        cast = func is torch.ops.aten._to_copy.default
+        if cast and args[0].dtype == torch.bfloat16 and out.dtype == torch.float32:
+            self.shapes.append(tuple(out.shape))
         return out
 
 
