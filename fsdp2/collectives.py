@@ -43,6 +43,9 @@ class ReduceInFlight(NamedTuple):
     output: torch.Tensor
     divisor: float  # the ranks averaged over, or set_gradient_divide_factor's
     in_flight: tuple[InFlight, ...]  # the collectives of this stage
+    # Accelerators, HSDP: the all-reduce across replicas, issued right after the
+    # reduce-scatter (ordered after its event), waited for at the end of backward.
+    all_reduce: InFlight | None = None
 
     def wait(self) -> None:
         for in_flight in self.in_flight:
@@ -247,15 +250,21 @@ def _reduce_scatter(
 
 @torch.no_grad()
 def all_reduce(
-    reduced: ReduceInFlight, group: dist.ProcessGroup, comm: CommContext, group_name: str = ""
+    reduced: ReduceInFlight,
+    group: dist.ProcessGroup,
+    comm: CommContext,
+    group_name: str = "",
+    after: tuple[InFlight, ...] = (),
 ) -> ReduceInFlight:
-    """Starts summing a waited reduce-scatter's output across replicas (HSDP)."""
+    """Starts summing a reduce-scatter's output across replicas (HSDP): a waited
+    one, or on accelerators one still in flight (``after``: its collectives)."""
     output = reduced.output
     in_flight = comm.issue(
         "all_reduce",
         group_name,
         output.numel() * output.element_size(),
         lambda async_op: dist.all_reduce(output, group=group, async_op=async_op),
+        after,
     )
     return reduced._replace(buffers=(), in_flight=(in_flight,))
 

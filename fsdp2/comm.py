@@ -113,10 +113,13 @@ class CommContext:
         group_name: str,
         nbytes: int,
         collective: Callable[[bool], Waitable | None],
+        after: tuple[InFlight, ...] = (),
     ) -> InFlight:
         """Runs ``collective(async_op)``: on the comm stream of ``kind``
-        ("all_gather" or "reduce_scatter") on accelerators, asynchronously on CPU.
-        ``nbytes`` (of the full buffer) is for the statistics."""
+        ("all_gather", "reduce_scatter" or "all_reduce") on accelerators,
+        asynchronously on CPU. ``nbytes`` (of the full buffer) is for the
+        statistics. ``after``: accelerators, collectives in flight whose output
+        this one reads (ordered after their events)."""
         label = f"{kind.replace('_', '-')} of {group_name!r}"
         stats = None
         if self.stats is not None:
@@ -130,6 +133,9 @@ class CommContext:
             stream = self._stream(ops, kind)
             # The copy-in ran on the current stream.
             stream.wait_stream(ops.current_stream())
+            for earlier in after:
+                if earlier.event is not None:
+                    stream.wait_event(earlier.event)
             with stream:
                 work = collective(False)
                 if work is not None:

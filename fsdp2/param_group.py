@@ -360,21 +360,18 @@ class FSDPParamGroup:
                 divisor = self.gradient_divide_factor or (
                     info.shard_world_size * info.replicate_world_size
                 )
-                self.ctx.reduce_scatters_in_flight.append(
-                    (
-                        self,
-                        reduce_scatter(
-                            reduced,
-                            grads,
-                            self.reduce_scatter_group,
-                            info.shard_world_size,
-                            divisor,
-                            self.ctx.comm,
-                            self.name,
-                            self.reduce_scatter_comm,
-                        ),
-                    )
+                reduction = reduce_scatter(
+                    reduced,
+                    grads,
+                    self.reduce_scatter_group,
+                    info.shard_world_size,
+                    divisor,
+                    self.ctx.comm,
+                    self.name,
+                    self.reduce_scatter_comm,
                 )
+                reduction = self.ctx.start_all_reduce_early(self, reduction)
+                self.ctx.reduce_scatters_in_flight.append((self, reduction))
 
     def keep_partial_grads(self, reduced: ReduceInFlight) -> None:
         """HSDP without all-reduce: keep the shard-group sums for a later all-reduce."""

@@ -66,9 +66,10 @@ class RootContext:
         self.forward_guess: FSDPParamGroup | None = None
         # Gradient reduction in flight, oldest first (see make_room_for_reduce_scatter):
         # up to reduce_scatter_max_input_buffers reduce-scatters (the queue shared by
-        # the roots of share_comm_ctx), one all-reduce.
+        # the roots of share_comm_ctx), and all-reduces across replicas (HSDP): one
+        # on CPU, every group's on accelerators (waited for at the end of backward).
         self.reduce_scatters_in_flight: deque[tuple[FSDPParamGroup, ReduceInFlight]] = deque()
-        self.all_reduce_in_flight: tuple[FSDPParamGroup, ReduceInFlight] | None = None
+        self.all_reduces_in_flight: deque[tuple[FSDPParamGroup, ReduceInFlight]] = deque()
         # Reductions whose all-reduce hook runs on a stream of its own: assigned
         # once the current stream has waited for the event after the hook.
         self.hooks_in_flight: deque[tuple[ReduceInFlight, torch.Event]] = deque()
@@ -102,8 +103,7 @@ class RootContext:
         queue = self.reduce_scatters_in_flight
         in_flight = [(g, r) for g, r in queue if g.ctx is self]
         others = [(g, r) for g, r in queue if g.ctx is not self]
-        if self.all_reduce_in_flight is not None:
-            in_flight.append(self.all_reduce_in_flight)
+        in_flight += self.all_reduces_in_flight
         for _, reduced in in_flight:
             try:
                 reduced.wait()
@@ -111,7 +111,7 @@ class RootContext:
                 logger.warning("fsdp2: dropping a failed gradient reduction while resetting")
         queue.clear()
         queue.extend(others)
-        self.all_reduce_in_flight = None
+        self.all_reduces_in_flight.clear()
         for _, event in self.hooks_in_flight:
             self.comm.wait_event(event)  # a stream wait, then the buffers can go
         self.hooks_in_flight.clear()
@@ -155,6 +155,11 @@ class RootContext:
         """The rest of ``_finish_oldest_reduce_scatter``, by the root of ``group``
         (which, with ``share_comm_ctx``, may not be the root whose queue it was in)."""
         reduced.wait()
+        if reduced.all_reduce is not None:  # issued with the reduce-scatter (accelerators)
+            self.all_reduces_in_flight.append(
+                (group, reduced._replace(buffers=(), in_flight=(reduced.all_reduce,)))
+            )
+            return
         replicate_group = group.mesh_info.replicate_group
         if replicate_group is None:
             self._assign(group, reduced)
@@ -162,20 +167,42 @@ class RootContext:
             group.keep_partial_grads(reduced)
         else:
             group.add_partial_grads(reduced)
-            self.finish_all_reduce()
-            if (check := self.order_check) is not None:
-                numel = reduced.output.numel()
-                check.before_collective("all-reduce", group, replicate_group, numel)
-                check.record("all-reduce", group, in_training=True)
-            self.all_reduce_in_flight = (
-                group,
-                all_reduce(reduced, replicate_group, self.comm, group.name),
+            self.finish_all_reduces()
+            self._check_all_reduce(group, reduced)
+            self.all_reduces_in_flight.append(
+                (group, all_reduce(reduced, replicate_group, self.comm, group.name))
             )
 
-    def finish_all_reduce(self) -> None:
-        if self.all_reduce_in_flight is not None:
-            group, reduced = self.all_reduce_in_flight
-            self.all_reduce_in_flight = None
+    def start_all_reduce_early(
+        self, group: FSDPParamGroup, reduced: ReduceInFlight
+    ) -> ReduceInFlight:
+        """Accelerators, HSDP: issues the all-reduce across replicas right after
+        the reduce-scatter, ordered after its event only, so that it overlaps the
+        next groups' backward (on CPU, gloo would block the host on the
+        reduce-scatter first: it waits until the reduce-scatter is finished).
+        Partial sums kept from a backward without all-reduce are added on the
+        current stream after the reduce-scatter instead, the CPU way."""
+        replicate_group = group.mesh_info.replicate_group
+        if (
+            not self.comm.uses_streams
+            or replicate_group is None
+            or not group.requires_all_reduce
+            or any(p.partial_grad is not None for p in reduced.fsdp_params)
+        ):
+            return reduced
+        self._check_all_reduce(group, reduced)
+        early = all_reduce(reduced, replicate_group, self.comm, group.name, reduced.in_flight)
+        return reduced._replace(all_reduce=early.in_flight[0])
+
+    def _check_all_reduce(self, group: FSDPParamGroup, reduced: ReduceInFlight) -> None:
+        if (check := self.order_check) is not None and group.mesh_info.replicate_group:
+            numel = reduced.output.numel()
+            check.before_collective("all-reduce", group, group.mesh_info.replicate_group, numel)
+            check.record("all-reduce", group, in_training=True)
+
+    def finish_all_reduces(self) -> None:
+        while self.all_reduces_in_flight:
+            group, reduced = self.all_reduces_in_flight.popleft()
             reduced.wait()
             self._assign(group, reduced)
 
@@ -259,7 +286,7 @@ class RootContext:
                     group.cancel_unshard()
             if self.is_last_backward:
                 self.finish_reduce_scatters()
-                self.finish_all_reduce()
+                self.finish_all_reduces()
                 self.finish_hooks()
             for group in self.groups:
                 group.finalize_backward()

@@ -126,6 +126,8 @@ class StreamModel(TorchDispatchMode):
         self.buffers: dict[int, Buffer] = {}  # by storage data pointer
         self.violations: list[str] = []
         self.ops_by_stream: dict[str, int] = {}
+        # Every c10d op: (name, the clock of its stream when it ran).
+        self.collectives: list[tuple[str, Clock]] = []
         self.host_clock: Clock = {}  # what the host has synchronized with
 
     # -- device ops (the engine's seam) ------------------------------------
@@ -168,6 +170,12 @@ class StreamModel(TorchDispatchMode):
         """Where the current stream is: (stream, ticks), the last op run on it."""
         index = self.current_stream().index
         return index, self.clocks[index][index]
+
+    @staticmethod
+    def clock_after(clock: Clock, point: tuple[int, int]) -> bool:
+        """Whether an op that ran with ``clock`` was ordered after ``point``."""
+        stream, tick = point
+        return clock.get(stream, 0) >= tick
 
     def after(self, point: tuple[int, int]) -> bool:
         """Whether the current stream is ordered after ``point`` (its next op
@@ -243,6 +251,8 @@ class StreamModel(TorchDispatchMode):
         if not func.is_view:  # a view reads no bytes
             for tensor, write in _arguments(func, args, kwargs):
                 self._access(tensor, write, op, index, tick)
+        if func.namespace == "c10d":
+            self.collectives.append((op, dict(self.clocks[index])))
         out = func(*args, **kwargs)
         for tensor in _fresh_outputs(func, out):
             self._allocated(tensor, op, index, tick)

@@ -65,6 +65,10 @@ class Run:
         self._optimizer_stream: Any = None
         self.hook_points: list[tuple[int, int]] = []  # this step's, where each hook ended
         self.joined_hooks: list[bool] = []  # per check: compute ordered after a hook?
+        # HSDP: per step, (where layers.1's backward started, collectives before then),
+        # and how many collectives had run when the step started.
+        self.backward_points: list[tuple[tuple[int, int], int]] = []
+        self.step_starts: list[int] = []
 
     @property
     def optimizer_stream(self) -> Any:
@@ -101,6 +105,13 @@ def _configure(name: str, model: nn.Module, run: Run) -> None:
     elif name == "no forward prefetch":
         for layer in layers:
             layer.set_modules_to_forward_prefetch([])
+    elif name == "HSDP":
+
+        def mark(module: nn.Module, grad_output: Any) -> None:
+            point = run.streams.point()
+            run.backward_points.append((point, len(run.streams.collectives)))
+
+        layers[1].register_full_backward_pre_hook(mark)
     elif name == "reduce-scatter queue of 2":
         model.set_reduce_scatter_max_input_buffers(2)
     elif name.startswith("all-reduce hook on a stream"):
@@ -214,6 +225,7 @@ def _train(name: str, streams: StreamModel, rank: int, world_size: int) -> Run:
         for step in range(STEPS):
             run.step = step
             run.hook_points.clear()
+            run.step_starts.append(len(streams.collectives))
             for model, optim in zip(models, optims, strict=True):
                 _backward(name, model, optim, step, rank, world_size)
                 _optimizer_step(name, model, optim, run)
@@ -226,6 +238,12 @@ def _scenario(rank: int, world_size: int, name: str) -> None:
     assert streams.violations == [], "\n".join(sorted(set(streams.violations))[:10])
     # The collectives ran on comm streams, not on the compute stream.
     assert sum(n for s, n in streams.ops_by_stream.items() if s != "compute") > 0
+    if name == "HSDP":
+        # The last block's all-reduce across replicas overlaps the next block's
+        # backward: it is not ordered after the start of layers.1's backward.
+        for start, (point, _) in zip(run.step_starts, run.backward_points, strict=True):
+            first = next(c for c in streams.collectives[start:] if c[0] == "allreduce_")
+            assert not StreamModel.clock_after(first[1], point), (first, point)
     if name == "all-reduce hook on a stream":
         # Backward goes on while the hooks run: no compute op waits for them.
         assert run.joined_hooks and not any(run.joined_hooks), run.joined_hooks
