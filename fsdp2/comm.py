@@ -104,7 +104,7 @@ class CommContext:
 
     def _stream(self, ops: DeviceOps, name: str) -> torch.Stream:
         if name not in self._streams:
-            self._streams[name] = ops.new_stream()
+            self._streams[name] = ops.new_stream(name)
         return self._streams[name]
 
     def issue(

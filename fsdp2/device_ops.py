@@ -25,6 +25,7 @@ class DeviceOps:
     def current_stream(self) -> torch.Stream:
         return torch.accelerator.current_stream(self.device)
 
-    def new_stream(self) -> torch.Stream:
-        # Negative priority = high: communication must not queue behind compute kernels.
+    def new_stream(self, name: str) -> torch.Stream:
+        """A high-priority stream (communication must not queue behind compute
+        kernels); ``name`` (its use, e.g. "all_gather") is for tools."""
         return torch.Stream(device=self.device, priority=-1)

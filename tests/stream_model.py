@@ -71,6 +71,18 @@ class Buffer:
     def __init__(self, alloc_stream: int) -> None:
         self.alloc_stream = alloc_stream
         self.accesses: list[Access] = []
+        self.first_write: str | None = None  # the first op writing it after allocation
+        self.written_on: set[int] = set()
+        self.read_on: set[int] = set()
+
+
+class History(NamedTuple):
+    """One buffer's life, by stream name (see docs/design.md, the stream table)."""
+
+    first_write: str | None
+    allocated_on: str
+    written_on: frozenset[str]
+    read_on: frozenset[str]
 
 
 class FakeEvent:
@@ -121,10 +133,11 @@ class StreamModel(TorchDispatchMode):
         self.waits = waits
         self.streams: list[FakeStream] = []
         self.clocks: list[Clock] = []
-        self.compute = self._add_stream("compute")
+        self.compute = self._add_stream("current")
         self.stack: list[FakeStream] = [self.compute]
         self.buffers: dict[int, Buffer] = {}  # by storage data pointer
         self.violations: list[str] = []
+        self.histories: list[History] = []  # of the buffers freed so far
         self.ops_by_stream: dict[str, int] = {}
         # Every c10d op: (name, the clock of its stream when it ran).
         self.collectives: list[tuple[str, Clock]] = []
@@ -135,8 +148,10 @@ class StreamModel(TorchDispatchMode):
     def current_stream(self) -> FakeStream:
         return self.stack[-1]
 
-    def new_stream(self) -> FakeStream:
-        return self._add_stream(f"side{len(self.streams)}")
+    def new_stream(self, name: str = "user") -> FakeStream:
+        """fsdp2's comm streams are named by use ("all_gather"...); a test's own
+        (an optimizer's, a hook's) are "user" streams."""
+        return self._add_stream(name)
 
     def _add_stream(self, name: str) -> FakeStream:
         stream = FakeStream(self, len(self.streams), name)
@@ -188,7 +203,15 @@ class StreamModel(TorchDispatchMode):
     def _ordered(self, access: Access, stream: int) -> bool:
         return access.stream == stream or self.clocks[stream].get(access.stream, 0) >= access.tick
 
-    def _access(self, tensor: torch.Tensor, write: bool, op: str, stream: int, tick: int) -> None:
+    def _access(
+        self,
+        tensor: torch.Tensor,
+        write: bool,
+        op: str,
+        stream: int,
+        tick: int,
+        allocation: bool = False,
+    ) -> None:
         span = _byte_span(tensor)
         if span is None:
             return
@@ -209,6 +232,12 @@ class StreamModel(TorchDispatchMode):
                     f"[{start}, {end}) that {old.op} {'wrote' if old.write else 'read'} on "
                     f"{self.streams[old.stream]}, without waiting for it"
                 )
+        if write:
+            buffer.written_on.add(stream)
+            if buffer.first_write is None and not allocation:
+                buffer.first_write = op
+        else:
+            buffer.read_on.add(stream)
         if write:  # later accesses conflict with this one: older ones within it are implied
             buffer.accesses = [
                 a for a in buffer.accesses if not (start <= a.start and a.end <= end)
@@ -222,12 +251,13 @@ class StreamModel(TorchDispatchMode):
         key = span[0]
         buffer = self.buffers[key] = Buffer(stream)
         weakref.finalize(tensor.untyped_storage(), self._freed, key, buffer)
-        self._access(tensor, True, op, stream, tick)
+        self._access(tensor, True, op, stream, tick, allocation=True)
 
     def _freed(self, key: int, buffer: Buffer) -> None:
         if self.buffers.get(key) is not buffer:
             return  # already replaced by a storage at the same address
         del self.buffers[key]
+        self.histories.append(self._history(buffer))
         for access in buffer.accesses:
             if not self._ordered(access, buffer.alloc_stream):
                 self.violations.append(
@@ -235,6 +265,21 @@ class StreamModel(TorchDispatchMode):
                     f"{access.op} on {self.streams[access.stream]} may still "
                     f"{'write' if access.write else 'read'} it"
                 )
+
+    def _history(self, buffer: Buffer) -> History:
+        def names(streams: set[int]) -> frozenset[str]:
+            return frozenset(self.streams[s].name for s in streams)
+
+        return History(
+            buffer.first_write,
+            self.streams[buffer.alloc_stream].name,
+            names(buffer.written_on),
+            names(buffer.read_on),
+        )
+
+    def all_histories(self) -> list[History]:
+        """Of every buffer seen: freed, and still alive."""
+        return self.histories + [self._history(b) for b in self.buffers.values()]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

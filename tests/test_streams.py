@@ -7,7 +7,7 @@ stream. The negative control (waits disabled) must report some."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -232,12 +232,69 @@ def _train(name: str, streams: StreamModel, rank: int, world_size: int) -> Run:
     return run
 
 
+DESIGN = Path(__file__).parent.parent / "docs" / "design.md"
+STREAM_NAMES = {
+    "current": "current",
+    "all-gather": "all_gather",
+    "reduce-scatter": "reduce_scatter",
+    "all-reduce": "all_reduce",
+    "user": "user",
+}
+
+
+class TableRow(NamedTuple):
+    buffer: str
+    first_write: frozenset[str]
+    allocated_on: frozenset[str]
+    written_on: frozenset[str]
+    read_on: frozenset[str]
+    freed_on: frozenset[str]
+
+
+def stream_table() -> list[TableRow]:
+    """docs/design.md's table of which stream touches each buffer."""
+    text = DESIGN.read_text()
+    section = text[text.index("### Streams: who touches each buffer") :]
+    lines = section.splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith("|"))
+    end = next(i for i in range(first, len(lines)) if not lines[i].startswith("|"))
+    table = []
+    for line in lines[first + 2 : end]:  # past the header and its rule
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        ops = frozenset(op.strip(" `") for op in cells[1].split(","))
+
+        def streams(cell: str) -> frozenset[str]:
+            return frozenset(STREAM_NAMES[n.strip()] for n in cell.split(","))
+
+        table.append(TableRow(cells[0], ops, *(streams(c) for c in cells[2:6])))
+    return table
+
+
+def check_stream_table(streams: StreamModel, require_every_row: bool) -> None:
+    """Every buffer the table names was allocated, written and read only on the
+    streams it says (freed: by the model's rule, on its allocating stream)."""
+    table = stream_table()
+    assert len(table) == 4, table
+    matched = set()
+    for history in streams.all_histories():
+        for row in table:
+            if history.first_write in row.first_write:
+                matched.add(row.buffer)
+                assert row.freed_on == row.allocated_on, row
+                assert history.allocated_on in row.allocated_on, (row, history)
+                assert history.written_on <= row.written_on, (row, history)
+                assert history.read_on <= row.read_on, (row, history)
+    if require_every_row:
+        assert matched == {row.buffer for row in table}, matched
+
+
 def _scenario(rank: int, world_size: int, name: str) -> None:
     streams = StreamModel()
     run = _train(name, streams, rank, world_size)
     assert streams.violations == [], "\n".join(sorted(set(streams.violations))[:10])
+    check_stream_table(streams, require_every_row=name == "plain")
     # The collectives ran on comm streams, not on the compute stream.
-    assert sum(n for s, n in streams.ops_by_stream.items() if s != "compute") > 0
+    assert sum(n for s, n in streams.ops_by_stream.items() if s != "current") > 0
     if name == "HSDP":
         # The last block's all-reduce across replicas overlaps the next block's
         # backward: it is not ordered after the start of layers.1's backward.
