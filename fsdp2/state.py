@@ -216,7 +216,8 @@ class RootContext:
                 event = self.comm.run_hook(hook, reduced.output, stream)
                 if event is not None:
                     # The hook's stream overlaps the rest of backward: assigned at its end.
-                    self.hooks_in_flight.append((reduced, event))
+                    # The reduce-scatter input is done with: only the output is kept.
+                    self.hooks_in_flight.append((reduced._replace(buffers=()), event))
                     return
             assign_sharded_grads(reduced)
 

@@ -72,6 +72,7 @@ class Buffer:
         self.alloc_stream = alloc_stream
         self.accesses: list[Access] = []
         self.first_write: str | None = None  # the first op writing it after allocation
+        self.storage: weakref.ref | None = None  # set when its allocation was seen
         self.written_on: set[int] = set()
         self.read_on: set[int] = set()
 
@@ -138,6 +139,8 @@ class StreamModel(TorchDispatchMode):
         self.buffers: dict[int, Buffer] = {}  # by storage data pointer
         self.violations: list[str] = []
         self.histories: list[History] = []  # of the buffers freed so far
+        # The most buffers of a kind (the first op writing them) alive at once.
+        self.peak_alive: dict[str, int] = {}
         self.ops_by_stream: dict[str, int] = {}
         # Every c10d op: (name, the clock of its stream when it ran).
         self.collectives: list[tuple[str, Clock]] = []
@@ -236,6 +239,8 @@ class StreamModel(TorchDispatchMode):
             buffer.written_on.add(stream)
             if buffer.first_write is None and not allocation:
                 buffer.first_write = op
+                alive = self._alive(op)
+                self.peak_alive[op] = max(self.peak_alive.get(op, 0), alive)
         else:
             buffer.read_on.add(stream)
         if write:  # later accesses conflict with this one: older ones within it are implied
@@ -249,15 +254,20 @@ class StreamModel(TorchDispatchMode):
         if span is None:
             return
         key = span[0]
+        if (stale := self.buffers.get(key)) is not None:
+            # Its storage was resized to nothing (unseen) and the bytes reused.
+            self._forget(stale)
         buffer = self.buffers[key] = Buffer(stream)
-        weakref.finalize(tensor.untyped_storage(), self._freed, key, buffer)
+        storage = tensor.untyped_storage()
+        buffer.storage = weakref.ref(storage)
+        weakref.finalize(storage, self._freed, key, buffer)
         self._access(tensor, True, op, stream, tick, allocation=True)
 
     def _freed(self, key: int, buffer: Buffer) -> None:
         if self.buffers.get(key) is not buffer:
             return  # already replaced by a storage at the same address
         del self.buffers[key]
-        self.histories.append(self._history(buffer))
+        self._forget(buffer)
         for access in buffer.accesses:
             if not self._ordered(access, buffer.alloc_stream):
                 self.violations.append(
@@ -265,6 +275,19 @@ class StreamModel(TorchDispatchMode):
                     f"{access.op} on {self.streams[access.stream]} may still "
                     f"{'write' if access.write else 'read'} it"
                 )
+
+    def _forget(self, buffer: Buffer) -> None:
+        self.histories.append(self._history(buffer))
+
+    def _alive(self, kind: str) -> int:
+        """Buffers of ``kind`` whose storage still holds bytes (a storage
+        resized to nothing, or freed and not yet finalized, does not count)."""
+        count = 0
+        for buffer in self.buffers.values():
+            if buffer.first_write == kind and buffer.storage is not None:
+                storage = buffer.storage()
+                count += storage is not None and storage.nbytes() > 0
+        return count
 
     def _history(self, buffer: Buffer) -> History:
         def names(streams: set[int]) -> frozenset[str]:

@@ -293,6 +293,12 @@ def _scenario(rank: int, world_size: int, name: str) -> None:
     run = _train(name, streams, rank, world_size)
     assert streams.violations == [], "\n".join(sorted(set(streams.violations))[:10])
     check_stream_table(streams, require_every_row=name == "plain")
+    # Memory: at most two groups' all-gather buffers alive (the running group's
+    # and one prefetch), and K reduce-scatter inputs with a queue of K.
+    assert streams.peak_alive.get("_foreach_copy_", 0) <= 2, streams.peak_alive
+    if not name.startswith("HSDP"):  # there the input is the output, kept to the end
+        queue = 2 if name == "reduce-scatter queue of 2" else 1
+        assert streams.peak_alive.get("_chunk_cat", 0) == queue, streams.peak_alive
     # The collectives ran on comm streams, not on the compute stream.
     assert sum(n for s, n in streams.ops_by_stream.items() if s != "current") > 0
     if name == "HSDP":
