@@ -100,14 +100,14 @@ def all_gather(
     shard_numel = sum(slot_numels)
     all_gather_output = allocate(custom, world_size * shard_numel, buffer_dtype, comm.device)
     if not inputs:  # every parameter of the group is replicated
-        return AllGatherInFlight(all_gather_output, InFlight.done())
+        return AllGatherInFlight(all_gather_output, comm.done_here())
     all_gather_input = all_gather_output.narrow(0, rank * shard_numel, shard_numel)
     split_sizes = []  # alternating [data, padding]: the padding slots are never read
     for x, slot_numel in zip(inputs, slot_numels, strict=True):
         split_sizes += [x.numel(), slot_numel - x.numel()]
     torch._foreach_copy_(all_gather_input.split_with_sizes(split_sizes)[::2], inputs)
     if world_size == 1:  # the input is the whole output: nothing to exchange
-        return AllGatherInFlight(all_gather_output, InFlight.done())
+        return AllGatherInFlight(all_gather_output, comm.done_here())
     in_flight = comm.issue(
         "all_gather",
         group_name,

@@ -22,8 +22,9 @@ safe, so no ``record_stream`` is needed.
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 import torch
@@ -91,6 +92,16 @@ class CommContext:
         self.stats: CommStats | None = None  # set while ``comm_stats`` is open
         # Accelerators: ``set_post_optim_event``'s event, waited for by the next copy-in.
         self.post_optim_event: torch.Event | None = None
+        # Accelerators, see [Note: the copy-in stream]: whether the copy-in stream
+        # has caught up with the shards' writers since the last forward or backward
+        # ended, and the all-gather buffers copied out since the last copy-in, with
+        # the event after the latest copy-out (the current stream orders the others).
+        self._copy_in_synced = False
+        self._copied_out: list[torch.Tensor] = []
+        self._copied_out_event: torch.Event | None = None
+        # Where the replicated parameters are copied (the current stream): it waits
+        # for the post-optimizer event once too.
+        self._replicated_event: torch.Event | None = None
 
     @property
     def uses_streams(self) -> bool:
@@ -145,13 +156,74 @@ class CommContext:
                 event = stream.record_event()
         return InFlight(None, event, ops, label, stats)
 
+    @contextlib.contextmanager
+    def copy_in(self) -> Iterator[None]:
+        """Accelerators: runs an all-gather's copy-in (and its buffer's
+        allocation) on the copy-in stream. [Note: the copy-in stream]
+
+        The copy-in stream waits for the current stream (or for
+        ``set_post_optim_event``'s event instead) once after each forward and
+        backward, since the shards may have been written then, and before each
+        copy-in for the event recorded after the latest all-gather buffer was
+        copied out, then drops the buffers copied out until then: they were
+        allocated on this stream, and their bytes may be reused here only once
+        the copy-outs have read them. An all-gather is thus not ordered after the compute of
+        the group before it, and the copy-in runs off the compute stream.
+        """
+        ops = self.ops
+        if ops is None:
+            raise AssertionError("copy_in() without streams")
+        stream = self._stream(ops, "all_gather_copy_in")
+        if not self._copy_in_synced:
+            self._copy_in_synced = True
+            if (event := self.post_optim_event) is not None:
+                stream.wait_event(event)  # the optimizer step has written the shards
+                self._replicated_event, self.post_optim_event = event, None
+            else:
+                stream.wait_stream(ops.current_stream())
+        if self._copied_out_event is not None:
+            stream.wait_event(self._copied_out_event)
+            self._copied_out_event = None
+            self._copied_out.clear()
+        with stream:
+            yield
+
+    def copied_out(self, buffer: torch.Tensor) -> None:
+        """Accelerators: the current stream has read (or dropped) ``buffer``, an
+        all-gather buffer; it is kept until the next copy-in has waited."""
+        if self.ops is not None:
+            self._copied_out.append(buffer)
+            self._copied_out_event = self.ops.current_stream().record_event()
+
+    def release_copied_out(self) -> None:
+        """This context is being replaced (lazy init): its copy-in stream waits
+        for the buffers it still holds, which can then go."""
+        if self.ops is not None and (event := self._copied_out_event) is not None:
+            self._stream(self.ops, "all_gather_copy_in").wait_event(event)
+            self._copied_out_event = None
+            self._copied_out.clear()
+
+    def shards_may_change(self) -> None:
+        """A forward or backward ended: the next copy-in waits for the current
+        stream (an optimizer step, a load) again."""
+        self._copy_in_synced = False
+
+    def done_here(self) -> InFlight:
+        """An all-gather with nothing to exchange (a world of one): on
+        accelerators the copy-out still waits for the copy-in stream."""
+        if self.ops is None:
+            return InFlight.done()
+        event = self.ops.current_stream().record_event()
+        return InFlight(None, event, self.ops, "", None)
+
     def wait_for_optimizer(self) -> None:
-        """Before a copy-in reads the shards: the current stream waits for
-        ``set_post_optim_event``'s event (the optimizer step on another stream
-        has written them), once."""
-        if self.ops is not None and (event := self.post_optim_event) is not None:
-            self.ops.current_stream().wait_event(event)
-            self.post_optim_event = None
+        """Before the current stream reads the shards (the replicated parameters'
+        copy): it waits for ``set_post_optim_event``'s event once."""
+        if self.ops is not None:
+            event = self._replicated_event or self.post_optim_event
+            if event is not None:
+                self.ops.current_stream().wait_event(event)
+            self._replicated_event = None
 
     def run_hook(
         self,

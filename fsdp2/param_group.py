@@ -125,8 +125,15 @@ class FSDPParamGroup:
             self._start_all_gather()
 
     def _start_all_gather(self) -> None:
-        # Everything below reads the shards (an extension's pre_all_gather too).
-        self.ctx.comm.wait_for_optimizer()
+        comm = self.ctx.comm
+        if comm.ops is None:
+            self._copy_in_and_issue()
+            return
+        # The copy-in, an extension's pre_all_gather included, off the compute stream.
+        with comm.copy_in():
+            self._copy_in_and_issue()
+
+    def _copy_in_and_issue(self) -> None:
         if self.sharded_state is ShardedState.SHARDED_POST_FORWARD:
             info = self._post_forward_info()
             shard = self._post_forward_shard
@@ -176,8 +183,11 @@ class FSDPParamGroup:
         with profiled("all_gather_copy_out", self.name):
             outputs = [out for p in self.sharded_params for out in p.all_gather_outputs(world_size)]
             copy_out(self._all_gather, outputs)
+            self.ctx.comm.copied_out(self._all_gather.all_gather_output)
             for fsdp_param in self.sharded_params:
                 fsdp_param.finish_unshard()
+            if self.replicated_params:
+                self.ctx.comm.wait_for_optimizer()
             for fsdp_param in self.replicated_params:
                 fsdp_param.copy_replicated()
         self._all_gather = None
@@ -403,6 +413,7 @@ class FSDPParamGroup:
         whose module did not run): every rank issued it, so it is waited for."""
         if self._all_gather is not None:
             self._all_gather.in_flight.wait()
+            self.ctx.comm.copied_out(self._all_gather.all_gather_output)
             self._all_gather = None
 
     def reset(self) -> None:

@@ -123,6 +123,7 @@ class RootContext:
         self.forward_started.clear()
         self.forward_guess = None
         self.final_callback_queued = False
+        self.comm.shards_may_change()
         if self.order_check is not None:
             self.order_check.discard_iteration()
 
@@ -295,6 +296,7 @@ class RootContext:
             if self.order_check is not None:
                 self.order_check.end_iteration()
             self.final_callback_queued = False
+            self.comm.shards_may_change()
             if self.comm.stats is not None:
                 self.comm.stats.end_step()
 
@@ -414,6 +416,8 @@ class FSDPState:
             if state is not self:
                 _check_root_only_settings(state, name)
             ctx.states.append(state)
+            if state.ctx.comm is not ctx.comm:
+                state.ctx.comm.release_copied_out()  # e.g. unshard() before this forward
             state.ctx = ctx
             for group in state.param_groups:
                 group.ctx = ctx
@@ -507,6 +511,7 @@ class FSDPState:
             _register_tensor_hooks(output, self._pre_backward)
         if is_forward_root:
             self.ctx.forward_root = None
+            self.ctx.comm.shards_may_change()
             # A forward prefetch whose module did not run this time must not be
             # used later: the optimizer may change the shards in between.
             for other in self.ctx.groups:

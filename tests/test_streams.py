@@ -105,6 +105,12 @@ def _configure(name: str, model: nn.Module, run: Run) -> None:
     elif name == "no forward prefetch":
         for layer in layers:
             layer.set_modules_to_forward_prefetch([])
+
+        def mark(module: nn.Module, args: Any, output: Any) -> None:
+            point = run.streams.point()
+            run.backward_points.append((point, len(run.streams.collectives)))
+
+        layers[1].register_forward_hook(mark)
     elif name == "HSDP":
 
         def mark(module: nn.Module, grad_output: Any) -> None:
@@ -235,6 +241,7 @@ def _train(name: str, streams: StreamModel, rank: int, world_size: int) -> Run:
 DESIGN = Path(__file__).parent.parent / "docs" / "design.md"
 STREAM_NAMES = {
     "current": "current",
+    "copy-in": "all_gather_copy_in",
     "all-gather": "all_gather",
     "reduce-scatter": "reduce_scatter",
     "all-reduce": "all_reduce",
@@ -301,6 +308,12 @@ def _scenario(rank: int, world_size: int, name: str) -> None:
         assert streams.peak_alive.get("_chunk_cat", 0) == queue, streams.peak_alive
     # The collectives ran on comm streams, not on the compute stream.
     assert sum(n for s, n in streams.ops_by_stream.items() if s != "current") > 0
+    if name == "no forward prefetch":
+        # Without a prefetch the next group's all-gather is issued after the
+        # group's forward, yet not ordered after its compute: it may overlap it.
+        for point, before in run.backward_points:
+            following = streams.collectives[before]
+            assert not StreamModel.clock_after(following[1], point), (following, point)
     if name == "HSDP":
         # The last block's all-reduce across replicas overlaps the next block's
         # backward: it is not ordered after the start of layers.1's backward.
