@@ -22,6 +22,7 @@ import torch.distributed as dist
 from . import primitives
 from .comm import CommContext, InFlight
 from .custom_comm import AllGather, ReduceScatter, allocate
+from .device_ops import DeviceOps
 from .param import FSDPParam
 from .primitives import Waitable
 from .private_api import chunk_cat_, profiled
@@ -105,7 +106,10 @@ def all_gather(
     split_sizes = []  # alternating [data, padding]: the padding slots are never read
     for x, slot_numel in zip(inputs, slot_numels, strict=True):
         split_sizes += [x.numel(), slot_numel - x.numel()]
-    torch._foreach_copy_(all_gather_input.split_with_sizes(split_sizes)[::2], inputs)
+    # Accelerators: from pinned CPU shards (offload) the copy does not block the host.
+    torch._foreach_copy_(
+        all_gather_input.split_with_sizes(split_sizes)[::2], inputs, non_blocking=comm.uses_streams
+    )
     if world_size == 1:  # the input is the whole output: nothing to exchange
         return AllGatherInFlight(all_gather_output, comm.done_here())
     in_flight = comm.issue(
@@ -287,7 +291,10 @@ def average(reduced: ReduceInFlight) -> None:
 
 
 @torch.no_grad()
-def assign_sharded_grads(reduced: ReduceInFlight) -> None:
-    """Accumulates an averaged reduction into the sharded grads."""
+def assign_sharded_grads(reduced: ReduceInFlight, ops: DeviceOps | None = None) -> bool:
+    """Accumulates an averaged reduction into the sharded grads; True if some
+    are still being copied to the host (see ``FSDPParam.accumulate_sharded_grad``)."""
+    copying = False
     for fsdp_param, local_grad in zip(reduced.fsdp_params, output_slots(reduced), strict=True):
-        fsdp_param.accumulate_sharded_grad(local_grad)
+        copying |= fsdp_param.accumulate_sharded_grad(local_grad, ops)
+    return copying

@@ -102,6 +102,8 @@ class CommContext:
         # Where the replicated parameters are copied (the current stream): it waits
         # for the post-optimizer event once too.
         self._replicated_event: torch.Event | None = None
+        # CPU offload: the event after the latest non-blocking copy of grads to the host.
+        self._host_copies: torch.Event | None = None
 
     @property
     def uses_streams(self) -> bool:
@@ -202,6 +204,18 @@ class CommContext:
             self._stream(self.ops, "all_gather_copy_in").wait_event(event)
             self._copied_out_event = None
             self._copied_out.clear()
+
+    def grads_to_host(self) -> None:
+        """Sharded grads are being copied to pinned host memory on the current
+        stream (CPU offload): remember the event after the copies."""
+        if self.ops is not None:
+            self._host_copies = self.ops.current_stream().record_event()
+
+    def wait_grads_on_host(self) -> None:
+        """End of backward: the host waits, once, for the copies of the grads."""
+        if self._host_copies is not None:
+            self._host_copies.synchronize()
+            self._host_copies = None
 
     def shards_may_change(self) -> None:
         """A forward or backward ended: the next copy-in waits for the current

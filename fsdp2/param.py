@@ -37,6 +37,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 from .common import MeshInfo, SpmdAxes, chunk_rows
+from .device_ops import DeviceOps
 from .extension import AllGatherExtension, uses_all_gather_extension
 from .policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from .private_api import (
@@ -171,6 +172,7 @@ class FSDPParam:
             # Meta parameters stay on meta until ``module.to_empty(device=...)``.
             local = local if data.is_meta else local.to(self.shard_device)
             pin = isinstance(offload_policy, CPUOffloadPolicy) and offload_policy.pin_memory
+            self.pin_memory = pin
             if pin and device.type != "cpu":
                 local = local.pin_memory()
         self._local_start = start
@@ -479,9 +481,27 @@ class FSDPParam:
         gradient to ``unsynced_grad`` instead of reduce-scattering it."""
         self.unsynced_grad = self.take_unsharded_grad()
 
-    def accumulate_sharded_grad(self, local_grad: torch.Tensor) -> None:
-        """Adds this rank's reduced rows (unpadded, shaped like the local shard)."""
-        local_grad = local_grad.to(self.shard_device, self.orig_dtype)
+    def accumulate_sharded_grad(
+        self, local_grad: torch.Tensor, ops: DeviceOps | None = None
+    ) -> bool:
+        """Adds this rank's reduced rows (unpadded, shaped like the local shard).
+        Returns True if they are still being copied to pinned host memory
+        (``CPUOffloadPolicy`` on an accelerator): the host must wait for the
+        current stream before reading them (once, at the end of backward)."""
+        hooks = self.sharded_param._post_accumulate_grad_hooks
+        copying = (
+            self.offload
+            and self.pin_memory
+            and ops is not None
+            and self.sharded_param.grad is None  # adding to one needs the host
+            and not hooks  # they read the gradient now
+        )
+        if copying and ops is not None:
+            host = ops.pinned_empty(local_grad.shape, self.orig_dtype)
+            host.copy_(local_grad, non_blocking=True)
+            local_grad = host
+        else:
+            local_grad = local_grad.to(self.shard_device, self.orig_dtype)
         if self.sharded_param.grad is None:
             self.sharded_param.grad = self._as_sharded_grad(local_grad)
         else:
@@ -489,10 +509,10 @@ class FSDPParam:
         # Autograd never accumulates into the sharded parameter, so hooks registered
         # with register_post_accumulate_grad_hook (an optimizer step in backward)
         # run here, once its gradient is complete.
-        hooks = self.sharded_param._post_accumulate_grad_hooks
         if hooks:
             for hook in list(hooks.values()):
                 hook(self.sharded_param)
+        return copying
 
     def __repr__(self) -> str:
         return f"FSDPParam({self.fqn}, size={tuple(self.orig_size)})"

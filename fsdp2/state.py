@@ -115,6 +115,7 @@ class RootContext:
         for _, event in self.hooks_in_flight:
             self.comm.wait_event(event)  # a stream wait, then the buffers can go
         self.hooks_in_flight.clear()
+        self.comm.wait_grads_on_host()
         for state in self.states:
             state.modules_to_run.clear()
         self.forward_root = None
@@ -220,13 +221,15 @@ class RootContext:
                     # The reduce-scatter input is done with: only the output is kept.
                     self.hooks_in_flight.append((reduced._replace(buffers=()), event))
                     return
-            assign_sharded_grads(reduced)
+            if assign_sharded_grads(reduced, self.comm.ops):
+                self.comm.grads_to_host()
 
     def finish_hooks(self) -> None:
         while self.hooks_in_flight:
             reduced, event = self.hooks_in_flight.popleft()
             self.comm.wait_event(event)
-            assign_sharded_grads(reduced)
+            if assign_sharded_grads(reduced, self.comm.ops):
+                self.comm.grads_to_host()
 
     def start_forward(self) -> None:
         """A new iteration's forward begins (the outermost forward pre-hook).
@@ -290,6 +293,8 @@ class RootContext:
                 self.finish_reduce_scatters()
                 self.finish_all_reduces()
                 self.finish_hooks()
+            # CPU offload: one host sync per backward, for every grad copied to the host.
+            self.comm.wait_grads_on_host()
             for group in self.groups:
                 group.finalize_backward()
             self.post_forward_order.clear()

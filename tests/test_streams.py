@@ -308,6 +308,13 @@ def _scenario(rank: int, world_size: int, name: str) -> None:
         assert streams.peak_alive.get("_chunk_cat", 0) == queue, streams.peak_alive
     # The collectives ran on comm streams, not on the compute stream.
     assert sum(n for s, n in streams.ops_by_stream.items() if s != "current") > 0
+    if name == "CPU offload":
+        # Grads copied to pinned host memory without blocking; one host sync per
+        # backward, not one per parameter.
+        assert streams.pinned > 0, streams.pinned
+        assert streams.host_syncs == STEPS, streams.host_syncs
+    else:
+        assert streams.host_syncs == 0, streams.host_syncs
     if name == "no forward prefetch":
         # Without a prefetch the next group's all-gather is issued after the
         # group's forward, yet not ordered after its compute: it may overlap it.
