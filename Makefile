@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 # `torch` or an open range would pull a multi-GB CUDA build.
 TORCH_PIN := torch==2.13.0
 
-.PHONY: setup test test-fast demo bench lint format clean
+.PHONY: setup test test-fast demo bench gpu-check lint format clean
 
 setup: $(VENV)/.installed
 
@@ -31,6 +31,11 @@ bench: setup
 	$(PY) scripts/bench.py
 	$(PY) scripts/bench_overhead.py
 	$(PY) scripts/bench.py --optim muon
+
+# On a CUDA machine: parity, overlap, memory and step time against torch's
+# fully_shard (a few minutes, one table); without CUDA it says so and exits 0.
+gpu-check: setup
+	$(PY) scripts/gpu_check.py
 
 lint: setup
 	$(VENV)/bin/ruff check fsdp2 tests scripts

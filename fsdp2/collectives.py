@@ -22,6 +22,7 @@ import torch.distributed as dist
 from . import primitives
 from .comm import CommContext, InFlight
 from .custom_comm import AllGather, ReduceScatter, allocate
+from .device_ops import DeviceOps
 from .param import FSDPParam
 from .primitives import Waitable
 from .private_api import chunk_cat_, profiled
@@ -43,6 +44,9 @@ class ReduceInFlight(NamedTuple):
     output: torch.Tensor
     divisor: float  # the ranks averaged over, or set_gradient_divide_factor's
     in_flight: tuple[InFlight, ...]  # the collectives of this stage
+    # Accelerators, HSDP: the all-reduce across replicas, issued right after the
+    # reduce-scatter (ordered after its event), waited for at the end of backward.
+    all_reduce: InFlight | None = None
 
     def wait(self) -> None:
         for in_flight in self.in_flight:
@@ -97,14 +101,17 @@ def all_gather(
     shard_numel = sum(slot_numels)
     all_gather_output = allocate(custom, world_size * shard_numel, buffer_dtype, comm.device)
     if not inputs:  # every parameter of the group is replicated
-        return AllGatherInFlight(all_gather_output, InFlight.done())
+        return AllGatherInFlight(all_gather_output, comm.done_here())
     all_gather_input = all_gather_output.narrow(0, rank * shard_numel, shard_numel)
     split_sizes = []  # alternating [data, padding]: the padding slots are never read
     for x, slot_numel in zip(inputs, slot_numels, strict=True):
         split_sizes += [x.numel(), slot_numel - x.numel()]
-    torch._foreach_copy_(all_gather_input.split_with_sizes(split_sizes)[::2], inputs)
+    # Accelerators: from pinned CPU shards (offload) the copy does not block the host.
+    torch._foreach_copy_(
+        all_gather_input.split_with_sizes(split_sizes)[::2], inputs, non_blocking=comm.uses_streams
+    )
     if world_size == 1:  # the input is the whole output: nothing to exchange
-        return AllGatherInFlight(all_gather_output, InFlight.done())
+        return AllGatherInFlight(all_gather_output, comm.done_here())
     in_flight = comm.issue(
         "all_gather",
         group_name,
@@ -149,18 +156,25 @@ def reduce_scatter(
     (summing) reduce-scatter (``custom``'s, if set); replicated parameters'
     gradients are packed after it and all-reduced.
 
-    The caller drops its references to ``unsharded_grads`` afterwards: the
-    packed copies are all the collectives need.
+    The gradients may be in the parameters' dtype: packing casts them to the
+    reduce dtype, so no reduce-dtype copy of a whole gradient is made (with
+    bf16 parameters and fp32 reduction: 2 + 4 bytes per element at the peak,
+    not 4 + 4). The caller drops its references to ``unsharded_grads``
+    afterwards: the packed copies are all the collectives need.
     """
+    reduce_dtype = fsdp_params[0].reduce_dtype
+    if len({g.dtype for g in unsharded_grads}) > 1:
+        # The fused copy-in takes one dtype (e.g. a zero gradient next to others).
+        unsharded_grads = [g.to(reduce_dtype) for g in unsharded_grads]
     pairs = list(zip(fsdp_params, unsharded_grads, strict=True))
     sharded = [(p, g) for p, g in pairs if not p.replicated]
     replicated = [(p, g) for p, g in pairs if p.replicated]
     shard_numel = sum(p.padded_shard_numel for p, _ in sharded)
     replicated_numel = sum(g.numel() for _, g in replicated)
-    grad = unsharded_grads[0]
+    device = unsharded_grads[0].device
     # bf16/fp16: average before the sum so that it cannot overflow.
-    pre_divide = grad.dtype.itemsize < 4
-    reduce_scatter_input = allocate(custom, world_size * shard_numel, grad.dtype, grad.device).view(
+    pre_divide = reduce_dtype.itemsize < 4
+    reduce_scatter_input = allocate(custom, world_size * shard_numel, reduce_dtype, device).view(
         world_size, shard_numel
     )
     # A world of one exchanges nothing: the input is the whole output, unless
@@ -169,7 +183,7 @@ def reduce_scatter(
     if input_is_output:
         output = reduce_scatter_input.view(-1)
     else:
-        output = allocate(custom, shard_numel + replicated_numel, grad.dtype, grad.device)
+        output = allocate(custom, shard_numel + replicated_numel, reduce_dtype, device)
     # Empty gradients have empty slots; the fused copy rejects them. It pads and
     # chunks dim 0: a gradient sharded on another dim goes in as its rank-major view.
     nonempty = [g if p.shard_dim == 0 else p.rank_major(g, world_size) for p, g in sharded]
@@ -240,15 +254,21 @@ def _reduce_scatter(
 
 @torch.no_grad()
 def all_reduce(
-    reduced: ReduceInFlight, group: dist.ProcessGroup, comm: CommContext, group_name: str = ""
+    reduced: ReduceInFlight,
+    group: dist.ProcessGroup,
+    comm: CommContext,
+    group_name: str = "",
+    after: tuple[InFlight, ...] = (),
 ) -> ReduceInFlight:
-    """Starts summing a waited reduce-scatter's output across replicas (HSDP)."""
+    """Starts summing a reduce-scatter's output across replicas (HSDP): a waited
+    one, or on accelerators one still in flight (``after``: its collectives)."""
     output = reduced.output
     in_flight = comm.issue(
         "all_reduce",
         group_name,
         output.numel() * output.element_size(),
         lambda async_op: dist.all_reduce(output, group=group, async_op=async_op),
+        after,
     )
     return reduced._replace(buffers=(), in_flight=(in_flight,))
 
@@ -271,7 +291,10 @@ def average(reduced: ReduceInFlight) -> None:
 
 
 @torch.no_grad()
-def assign_sharded_grads(reduced: ReduceInFlight) -> None:
-    """Accumulates an averaged reduction into the sharded grads."""
+def assign_sharded_grads(reduced: ReduceInFlight, ops: DeviceOps | None = None) -> bool:
+    """Accumulates an averaged reduction into the sharded grads; True if some
+    are still being copied to the host (see ``FSDPParam.accumulate_sharded_grad``)."""
+    copying = False
     for fsdp_param, local_grad in zip(reduced.fsdp_params, output_slots(reduced), strict=True):
-        fsdp_param.accumulate_sharded_grad(local_grad)
+        copying |= fsdp_param.accumulate_sharded_grad(local_grad, ops)
+    return copying

@@ -8,8 +8,8 @@ it runs on.
 - CPU (gloo): the collective is issued with ``async_op=True`` and runs on
   gloo's worker thread while the Python thread goes on computing; ``wait()``
   blocks on the returned work handle.
-- Accelerators (CUDA and the like, through the device-agnostic ``torch.Stream``
-  and ``torch.accelerator`` APIs): the comm stream first waits for the current
+- Accelerators (CUDA and the like, through the comm context's ``DeviceOps``,
+  see device_ops.py): the comm stream first waits for the current
   stream (so it sees the copy-in), the collective runs on that high-priority
   stream, and an event is recorded; ``wait()`` makes the then-current stream
   wait on the event, without blocking the CPU.
@@ -22,13 +22,15 @@ safe, so no ``record_stream`` is needed.
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
+from .device_ops import DeviceOps
 from .primitives import Waitable
 from .private_api import profiled
 from .stats import CollectiveStats, CommStats
@@ -39,13 +41,14 @@ class InFlight(NamedTuple):
 
     work: Waitable | None  # CPU: the async work handle
     event: torch.Event | None  # accelerator: recorded on the comm stream after the collective
+    ops: DeviceOps | None  # accelerator: whose current stream waits on ``event``
     label: str  # e.g. "all-gather of 'layers.3'", for errors
     stats: CollectiveStats | None  # where to record the wait, when recording
 
     @classmethod
     def done(cls) -> InFlight:
         """Nothing to wait for (a world of one rank exchanges nothing)."""
-        return cls(None, None, "", None)
+        return cls(None, None, None, "", None)
 
     def is_completed(self) -> bool:
         if self.work is not None:
@@ -71,8 +74,8 @@ class InFlight(NamedTuple):
                     f"{error}. A peer rank may have died, raised, or run a different sequence "
                     "of collectives."
                 ) from error
-        if self.event is not None:
-            torch.accelerator.current_stream(self.event.device).wait_event(self.event)
+        if self.event is not None and self.ops is not None:
+            self.ops.current_stream().wait_event(self.event)
         if self.stats is not None:
             self.stats.wait_seconds += time.perf_counter() - start
             self.stats.ready_when_waited += ready
@@ -83,16 +86,38 @@ class CommContext:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.uses_streams = device.type != "cpu"
+        # Streams and events: none on CPU, where gloo's threads run the collectives.
+        self.ops: DeviceOps | None = DeviceOps(device) if device.type != "cpu" else None
         self._streams: dict[str, torch.Stream] = {}
         self.stats: CommStats | None = None  # set while ``comm_stats`` is open
-        # Accelerators: ``set_post_optim_event``'s event, waited for by the next all-gather.
+        # Accelerators: ``set_post_optim_event``'s event, waited for by the next copy-in.
         self.post_optim_event: torch.Event | None = None
+        # Accelerators, see [Note: the copy-in stream]: whether the copy-in stream
+        # has caught up with the shards' writers since the last forward or backward
+        # ended, and the all-gather buffers copied out since the last copy-in, with
+        # the event after the latest copy-out (the current stream orders the others).
+        self._copy_in_synced = False
+        self._copied_out: list[torch.Tensor] = []
+        self._copied_out_event: torch.Event | None = None
+        # Where the replicated parameters are copied (the current stream): it waits
+        # for the post-optimizer event once too.
+        self._replicated_event: torch.Event | None = None
+        # CPU offload: the event after the latest non-blocking copy of grads to the host.
+        self._host_copies: torch.Event | None = None
 
-    def _stream(self, name: str) -> torch.Stream:
+    @property
+    def uses_streams(self) -> bool:
+        return self.ops is not None
+
+    def use_device_ops(self, ops: DeviceOps | None) -> None:
+        """Runs the streams and events through ``ops`` from now on (tests: a
+        model of streams on CPU ranks), or none (CPU)."""
+        self.ops = ops
+        self._streams.clear()
+
+    def _stream(self, ops: DeviceOps, name: str) -> torch.Stream:
         if name not in self._streams:
-            # Negative priority = high: communication must not queue behind compute kernels.
-            self._streams[name] = torch.Stream(device=self.device, priority=-1)
+            self._streams[name] = ops.new_stream(name)
         return self._streams[name]
 
     def issue(
@@ -101,10 +126,13 @@ class CommContext:
         group_name: str,
         nbytes: int,
         collective: Callable[[bool], Waitable | None],
+        after: tuple[InFlight, ...] = (),
     ) -> InFlight:
         """Runs ``collective(async_op)``: on the comm stream of ``kind``
-        ("all_gather" or "reduce_scatter") on accelerators, asynchronously on CPU.
-        ``nbytes`` (of the full buffer) is for the statistics."""
+        ("all_gather", "reduce_scatter" or "all_reduce") on accelerators,
+        asynchronously on CPU. ``nbytes`` (of the full buffer) is for the
+        statistics. ``after``: accelerators, collectives in flight whose output
+        this one reads (ordered after their events)."""
         label = f"{kind.replace('_', '-')} of {group_name!r}"
         stats = None
         if self.stats is not None:
@@ -112,33 +140,132 @@ class CommContext:
             stats.count += 1
             stats.bytes += nbytes
         with profiled(kind, group_name):
-            if not self.uses_streams:
-                return InFlight(collective(True), None, label, stats)
-            stream = self._stream(kind)
-            if kind == "all_gather" and (event := self.post_optim_event) is not None:
-                stream.wait_event(event)  # the optimizer step has written the shards
-                self.post_optim_event = None
+            ops = self.ops
+            if ops is None:
+                return InFlight(collective(True), None, None, label, stats)
+            stream = self._stream(ops, kind)
             # The copy-in ran on the current stream.
-            stream.wait_stream(torch.accelerator.current_stream(self.device))
+            stream.wait_stream(ops.current_stream())
+            for earlier in after:
+                if earlier.event is not None:
+                    stream.wait_event(earlier.event)
             with stream:
-                collective(False)
+                work = collective(False)
+                if work is not None:
+                    # A custom collective may return a handle even so: on an
+                    # accelerator its wait() orders this stream after it.
+                    work.wait()
                 event = stream.record_event()
-        return InFlight(None, event, label, stats)
+        return InFlight(None, event, ops, label, stats)
+
+    @contextlib.contextmanager
+    def copy_in(self) -> Iterator[None]:
+        """Accelerators: runs an all-gather's copy-in (and its buffer's
+        allocation) on the copy-in stream. [Note: the copy-in stream]
+
+        The copy-in stream waits for the current stream (or for
+        ``set_post_optim_event``'s event instead) once after each forward and
+        backward, since the shards may have been written then, and before each
+        copy-in for the event recorded after the latest all-gather buffer was
+        copied out, then drops the buffers copied out until then: they were
+        allocated on this stream, and their bytes may be reused here only once
+        the copy-outs have read them. An all-gather is thus not ordered after the compute of
+        the group before it, and the copy-in runs off the compute stream.
+        """
+        ops = self.ops
+        if ops is None:
+            raise AssertionError("copy_in() without streams")
+        stream = self._stream(ops, "all_gather_copy_in")
+        if not self._copy_in_synced:
+            self._copy_in_synced = True
+            if (event := self.post_optim_event) is not None:
+                stream.wait_event(event)  # the optimizer step has written the shards
+                self._replicated_event, self.post_optim_event = event, None
+            else:
+                stream.wait_stream(ops.current_stream())
+        if self._copied_out_event is not None:
+            stream.wait_event(self._copied_out_event)
+            self._copied_out_event = None
+            self._copied_out.clear()
+        with stream:
+            yield
+
+    def copied_out(self, buffer: torch.Tensor) -> None:
+        """Accelerators: the current stream has read (or dropped) ``buffer``, an
+        all-gather buffer; it is kept until the next copy-in has waited."""
+        if self.ops is not None:
+            self._copied_out.append(buffer)
+            self._copied_out_event = self.ops.current_stream().record_event()
+
+    def release_copied_out(self) -> None:
+        """This context is being replaced (lazy init): its copy-in stream waits
+        for the buffers it still holds, which can then go."""
+        if self.ops is not None and (event := self._copied_out_event) is not None:
+            self._stream(self.ops, "all_gather_copy_in").wait_event(event)
+            self._copied_out_event = None
+            self._copied_out.clear()
+
+    def grads_to_host(self) -> None:
+        """Sharded grads are being copied to pinned host memory on the current
+        stream (CPU offload): remember the event after the copies."""
+        if self.ops is not None:
+            self._host_copies = self.ops.current_stream().record_event()
+
+    def wait_grads_on_host(self) -> None:
+        """End of backward: the host waits, once, for the copies of the grads."""
+        if self._host_copies is not None:
+            self._host_copies.synchronize()
+            self._host_copies = None
+
+    def shards_may_change(self) -> None:
+        """A forward or backward ended: the next copy-in waits for the current
+        stream (an optimizer step, a load) again."""
+        self._copy_in_synced = False
+
+    def done_here(self) -> InFlight:
+        """An all-gather with nothing to exchange (a world of one): on
+        accelerators the copy-out still waits for the copy-in stream."""
+        if self.ops is None:
+            return InFlight.done()
+        event = self.ops.current_stream().record_event()
+        return InFlight(None, event, self.ops, "", None)
+
+    def wait_for_optimizer(self) -> None:
+        """Before the current stream reads the shards (the replicated parameters'
+        copy): it waits for ``set_post_optim_event``'s event once."""
+        if self.ops is not None:
+            event = self._replicated_event or self.post_optim_event
+            if event is not None:
+                self.ops.current_stream().wait_event(event)
+            self._replicated_event = None
 
     def run_hook(
         self,
         hook: Callable[[torch.Tensor], None],
         tensor: torch.Tensor,
         stream: torch.Stream | None,
-    ) -> None:
+    ) -> torch.Event | None:
         """Runs a user hook on a finished reduction (``set_all_reduce_hook``): on
-        ``stream`` if one was given (accelerators), ordered after the reduction
-        and before anything that reads ``tensor`` next."""
-        if stream is None:
+        ``stream`` if one was given (accelerators), ordered after the reduction.
+        Returns None if it ran on the current stream, else the event after it,
+        which the current stream must wait for (``wait_event``) before it reads
+        or frees ``tensor``: in between, compute overlaps the hook. If the hook
+        raises, the current stream waits for it here (``tensor`` is about to be
+        freed)."""
+        if stream is None or self.ops is None:
             hook(tensor)
-            return
-        current = torch.accelerator.current_stream(self.device)
+            return None
+        current = self.ops.current_stream()
         stream.wait_stream(current)
-        with stream:
-            hook(tensor)
-        current.wait_stream(stream)
+        try:
+            with stream:
+                hook(tensor)
+        except BaseException:
+            current.wait_stream(stream)
+            raise
+        return stream.record_event()
+
+    def wait_event(self, event: torch.Event) -> None:
+        """Orders the current stream after ``event`` (accelerators)."""
+        if self.ops is not None:
+            self.ops.current_stream().wait_event(event)

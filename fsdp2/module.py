@@ -21,14 +21,17 @@ class UnshardHandle:
     unsharded parameters usable."""
 
     def __init__(self, groups: list[FSDPParamGroup]) -> None:
-        # The all-gather each group had in flight when the handle was made.
-        self._all_gathers = [(group, group._all_gather) for group in groups]
+        # Which all-gather each group had in flight when the handle was made, by
+        # number: the handle must not keep the buffer alive after forward used it.
+        self._all_gathers = [
+            (group, group.all_gathers_started) for group in groups if group.all_gather_in_flight
+        ]
 
     def wait(self) -> None:
         """Idempotent, and a no-op once the module's forward has used the all-gathers."""
         all_gathers, self._all_gathers = self._all_gathers, []
-        for group, all_gather in all_gathers:
-            if all_gather is not None and group._all_gather is all_gather:
+        for group, number in all_gathers:
+            if group.all_gather_in_flight and group.all_gathers_started == number:
                 group.wait_for_unshard()
 
 
@@ -240,7 +243,7 @@ class FSDPModule:
             raise TypeError(f"set_all_reduce_hook expects a callable, got {type(hook).__name__}.")
         state = self._fsdp_state
         if stream is not None:
-            if state.device.type == "cpu":
+            if not state.ctx.comm.uses_streams:
                 raise ValueError(
                     "set_all_reduce_hook(stream=...) needs an accelerator; on CPU the hook runs "
                     "where the reduction finished. Leave stream=None."
@@ -331,11 +334,12 @@ class FSDPModule:
             group.reduce_scatter_comm = comm
 
     def set_post_optim_event(self, event: torch.Event) -> None:
-        """Accelerators: makes the next forward's first all-gather wait for
-        ``event`` (recorded after the optimizer step), which then applies to
-        the whole model. Call it on the root with a new event every iteration.
-        fsdp2 copies the shards into the all-gather buffer on the current stream,
-        so that copy is ordered after all earlier work on it anyway."""
+        """Accelerators: makes the current stream wait for ``event`` (recorded
+        after an optimizer step on another stream) before the next forward's
+        first copy-in reads the shards; it applies to the whole model. Call it
+        on the root with a new event every iteration. The gradients that step
+        read must stay referenced until then (e.g. ``zero_grad()`` after the
+        next forward), or their memory may be reused while it runs."""
         ctx = self._fsdp_state.ctx
         if not ctx.comm.uses_streams:
             raise ValueError(
@@ -415,8 +419,10 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
 
 def share_comm_ctx(modules: list[FSDPModule]) -> None:
     """Makes several roots (e.g. the model chunks of pipeline stages) use one
-    set of communication streams instead of one each, which keeps the memory
-    of their collectives in one place on accelerators."""
+    set of communication streams and one reduce-scatter queue instead of one
+    each: the memory of their collectives stays in one place on accelerators,
+    and ``set_reduce_scatter_max_input_buffers``' bound holds for them all
+    together (each root's own bound decides when it makes room)."""
     if not modules:
         return
     for module in modules:
@@ -424,6 +430,8 @@ def share_comm_ctx(modules: list[FSDPModule]) -> None:
             raise ValueError(
                 f"share_comm_ctx expects modules passed to fully_shard, got {type(module).__name__}."
             )
-    shared = modules[0]._fsdp_state.ctx.comm
+    shared = modules[0]._fsdp_state.ctx
     for module in modules[1:]:
-        module._fsdp_state.ctx.comm = shared
+        ctx = module._fsdp_state.ctx
+        ctx.comm = shared.comm
+        ctx.reduce_scatters_in_flight = shared.reduce_scatters_in_flight

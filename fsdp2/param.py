@@ -37,6 +37,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 from .common import MeshInfo, SpmdAxes, chunk_rows
+from .device_ops import DeviceOps
 from .extension import AllGatherExtension, uses_all_gather_extension
 from .policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from .private_api import (
@@ -171,6 +172,7 @@ class FSDPParam:
             # Meta parameters stay on meta until ``module.to_empty(device=...)``.
             local = local if data.is_meta else local.to(self.shard_device)
             pin = isinstance(offload_policy, CPUOffloadPolicy) and offload_policy.pin_memory
+            self.pin_memory = pin
             if pin and device.type != "cpu":
                 local = local.pin_memory()
         self._local_start = start
@@ -459,9 +461,11 @@ class FSDPParam:
 
     # -- gradients --------------------------------------------------------
 
-    def take_unsharded_grad(self) -> torch.Tensor | None:
+    def take_unsharded_grad(self, *, cast: bool = True) -> torch.Tensor | None:
         """Detaches the gradient of this backward (plus any unsynced ones) from
-        the unsharded parameter, in ``reduce_dtype``."""
+        the unsharded parameter, in ``reduce_dtype`` (``cast=False``: as it is,
+        unless unsynced ones were added; the reduce-scatter copy-in casts while
+        packing, so no reduce-dtype copy of the whole gradient is made)."""
         param = self.unsharded_param
         grad = None if param is None else param.grad
         if param is not None and grad is not None:
@@ -479,11 +483,21 @@ class FSDPParam:
                 if grad.placements != target:
                     grad = grad.redistribute(placements=target)
                 grad = grad.to_local()
-            grad = grad.to(self.reduce_dtype)
+            if cast:
+                grad = grad.to(self.reduce_dtype)
         if self.unsynced_grad is not None:
-            grad = self.unsynced_grad if grad is None else grad.add_(self.unsynced_grad)
+            # In reduce dtype, owned here: this backward's gradient is added into it.
+            grad = self.unsynced_grad if grad is None else self.unsynced_grad.add_(grad)
             self.unsynced_grad = None
         return grad
+
+    def drop_unsharded_grads(self) -> None:
+        """Recovery (``reset_iter_state``): forgets the unsharded gradients of the
+        interrupted iteration without computing anything from them (no
+        redistribute, no cast)."""
+        if self.unsharded_param is not None:
+            self.unsharded_param.grad = None
+        self.unsynced_grad = None
 
     def zero_unsharded_grad(self) -> torch.Tensor:
         return torch.zeros(self.unsharded_size, dtype=self.reduce_dtype, device=self.device)
@@ -493,9 +507,27 @@ class FSDPParam:
         gradient to ``unsynced_grad`` instead of reduce-scattering it."""
         self.unsynced_grad = self.take_unsharded_grad()
 
-    def accumulate_sharded_grad(self, local_grad: torch.Tensor) -> None:
-        """Adds this rank's reduced rows (unpadded, shaped like the local shard)."""
-        local_grad = local_grad.to(self.shard_device, self.orig_dtype)
+    def accumulate_sharded_grad(
+        self, local_grad: torch.Tensor, ops: DeviceOps | None = None
+    ) -> bool:
+        """Adds this rank's reduced rows (unpadded, shaped like the local shard).
+        Returns True if they are still being copied to pinned host memory
+        (``CPUOffloadPolicy`` on an accelerator): the host must wait for the
+        current stream before reading them (once, at the end of backward)."""
+        hooks = self.sharded_param._post_accumulate_grad_hooks
+        copying = (
+            self.offload
+            and self.pin_memory
+            and ops is not None
+            and self.sharded_param.grad is None  # adding to one needs the host
+            and not hooks  # they read the gradient now
+        )
+        if copying and ops is not None:
+            host = ops.pinned_empty(local_grad.shape, self.orig_dtype)
+            host.copy_(local_grad, non_blocking=True)
+            local_grad = host
+        else:
+            local_grad = local_grad.to(self.shard_device, self.orig_dtype)
         if self.sharded_param.grad is None:
             self.sharded_param.grad = self._as_sharded_grad(local_grad)
         else:
@@ -503,10 +535,10 @@ class FSDPParam:
         # Autograd never accumulates into the sharded parameter, so hooks registered
         # with register_post_accumulate_grad_hook (an optimizer step in backward)
         # run here, once its gradient is complete.
-        hooks = self.sharded_param._post_accumulate_grad_hooks
         if hooks:
             for hook in list(hooks.values()):
                 hook(self.sharded_param)
+        return copying
 
     def __repr__(self) -> str:
         return f"FSDPParam({self.fqn}, size={tuple(self.orig_size)})"

@@ -101,6 +101,7 @@ class FSDPParamGroup:
         self.training_state = TrainingState.IDLE
         self.sharded_state = ShardedState.SHARDED
         self._all_gather: AllGatherInFlight | None = None
+        self.all_gathers_started = 0  # tells one all-gather from the next (UnshardHandle)
         # Positions of this group in ctx.post_forward_order, one per forward call.
         self._post_forward_indices: list[int] = []
         # The PostBackward nodes of the forward in progress (see pre_forward).
@@ -124,6 +125,15 @@ class FSDPParamGroup:
             self._start_all_gather()
 
     def _start_all_gather(self) -> None:
+        comm = self.ctx.comm
+        if comm.ops is None:
+            self._copy_in_and_issue()
+            return
+        # The copy-in, an extension's pre_all_gather included, off the compute stream.
+        with comm.copy_in():
+            self._copy_in_and_issue()
+
+    def _copy_in_and_issue(self) -> None:
         if self.sharded_state is ShardedState.SHARDED_POST_FORWARD:
             info = self._post_forward_info()
             shard = self._post_forward_shard
@@ -141,6 +151,7 @@ class FSDPParamGroup:
             )
             check.before_collective("all-gather", self, info.shard_group, numel)
         logger.debug("%s: all-gather issued (%s)", self.name, self.sharded_state.name)
+        self.all_gathers_started += 1
         self._all_gather = all_gather(
             inputs,
             slots,
@@ -172,8 +183,11 @@ class FSDPParamGroup:
         with profiled("all_gather_copy_out", self.name):
             outputs = [out for p in self.sharded_params for out in p.all_gather_outputs(world_size)]
             copy_out(self._all_gather, outputs)
+            self.ctx.comm.copied_out(self._all_gather.all_gather_output)
             for fsdp_param in self.sharded_params:
                 fsdp_param.finish_unshard()
+            if self.replicated_params:
+                self.ctx.comm.wait_for_optimizer()
             for fsdp_param in self.replicated_params:
                 fsdp_param.copy_replicated()
         self._all_gather = None
@@ -322,7 +336,7 @@ class FSDPParamGroup:
                 return
             reduced, grads = [], []
             for fsdp_param in self.fsdp_params:
-                grad = fsdp_param.take_unsharded_grad()
+                grad = fsdp_param.take_unsharded_grad(cast=False)
                 if (
                     grad is None
                     and fsdp_param.requires_grad
@@ -356,21 +370,18 @@ class FSDPParamGroup:
                 divisor = self.gradient_divide_factor or (
                     info.shard_world_size * info.replicate_world_size
                 )
-                self.ctx.reduce_scatters_in_flight.append(
-                    (
-                        self,
-                        reduce_scatter(
-                            reduced,
-                            grads,
-                            self.reduce_scatter_group,
-                            info.shard_world_size,
-                            divisor,
-                            self.ctx.comm,
-                            self.name,
-                            self.reduce_scatter_comm,
-                        ),
-                    )
+                reduction = reduce_scatter(
+                    reduced,
+                    grads,
+                    self.reduce_scatter_group,
+                    info.shard_world_size,
+                    divisor,
+                    self.ctx.comm,
+                    self.name,
+                    self.reduce_scatter_comm,
                 )
+                reduction = self.ctx.start_all_reduce_early(self, reduction)
+                self.ctx.reduce_scatters_in_flight.append((self, reduction))
 
     def keep_partial_grads(self, reduced: ReduceInFlight) -> None:
         """HSDP without all-reduce: keep the shard-group sums for a later all-reduce."""
@@ -402,6 +413,7 @@ class FSDPParamGroup:
         whose module did not run): every rank issued it, so it is waited for."""
         if self._all_gather is not None:
             self._all_gather.in_flight.wait()
+            self.ctx.comm.copied_out(self._all_gather.all_gather_output)
             self._all_gather = None
 
     def reset(self) -> None:
@@ -415,7 +427,7 @@ class FSDPParamGroup:
         self.reshard()
         for fsdp_param in self.fsdp_params:
             fsdp_param.free_unsharded()  # also what a failed copy-out left allocated
-            fsdp_param.take_unsharded_grad()
+            fsdp_param.drop_unsharded_grads()
             fsdp_param.partial_grad = None
             fsdp_param.sharded_param.grad = None
         self._post_forward_indices.clear()

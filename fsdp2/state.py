@@ -62,10 +62,17 @@ class RootContext:
         self.pre_forward_order: list[FSDPParamGroup] = []
         self.next_in_forward: dict[FSDPParamGroup, FSDPParamGroup] = {}
         self.forward_started: set[FSDPParamGroup] = set()
+        # The implicit forward prefetch in flight: dropped if another group starts first.
+        self.forward_guess: FSDPParamGroup | None = None
         # Gradient reduction in flight, oldest first (see make_room_for_reduce_scatter):
-        # up to reduce_scatter_max_input_buffers reduce-scatters, one all-reduce.
+        # up to reduce_scatter_max_input_buffers reduce-scatters (the queue shared by
+        # the roots of share_comm_ctx), and all-reduces across replicas (HSDP): one
+        # on CPU, every group's on accelerators (waited for at the end of backward).
         self.reduce_scatters_in_flight: deque[tuple[FSDPParamGroup, ReduceInFlight]] = deque()
-        self.all_reduce_in_flight: tuple[FSDPParamGroup, ReduceInFlight] | None = None
+        self.all_reduces_in_flight: deque[tuple[FSDPParamGroup, ReduceInFlight]] = deque()
+        # Reductions whose all-reduce hook runs on a stream of its own: assigned
+        # once the current stream has waited for the event after the hook.
+        self.hooks_in_flight: deque[tuple[ReduceInFlight, torch.Event]] = deque()
         # The largest of the groups' set_reduce_scatter_max_input_buffers (at lazy init).
         self.reduce_scatter_max_input_buffers = 1
         self.forward_root: FSDPState | None = None  # the state whose forward is running outermost
@@ -91,23 +98,33 @@ class RootContext:
         an exception interrupted forward or backward."""
         for group in self.groups:
             group.reset()
-        in_flight = list(self.reduce_scatters_in_flight)
-        if self.all_reduce_in_flight is not None:
-            in_flight.append(self.all_reduce_in_flight)
+        # The queue may be shared with other roots (share_comm_ctx): only this
+        # root's reductions are dropped.
+        queue = self.reduce_scatters_in_flight
+        in_flight = [(g, r) for g, r in queue if g.ctx is self]
+        others = [(g, r) for g, r in queue if g.ctx is not self]
+        in_flight += self.all_reduces_in_flight
         for _, reduced in in_flight:
             try:
                 reduced.wait()
             except RuntimeError:
                 logger.warning("fsdp2: dropping a failed gradient reduction while resetting")
-        self.reduce_scatters_in_flight.clear()
-        self.all_reduce_in_flight = None
+        queue.clear()
+        queue.extend(others)
+        self.all_reduces_in_flight.clear()
+        for _, event in self.hooks_in_flight:
+            self.comm.wait_event(event)  # a stream wait, then the buffers can go
+        self.hooks_in_flight.clear()
+        self.comm.wait_grads_on_host()
         for state in self.states:
             state.modules_to_run.clear()
         self.forward_root = None
         self.post_forward_order.clear()
         self.pre_forward_order.clear()
         self.forward_started.clear()
+        self.forward_guess = None
         self.final_callback_queued = False
+        self.comm.shards_may_change()
         if self.order_check is not None:
             self.order_check.discard_iteration()
 
@@ -134,7 +151,17 @@ class RootContext:
         one (``set_requires_all_reduce(False)``). One all-reduce is in flight:
         starting the next finishes the previous."""
         group, reduced = self.reduce_scatters_in_flight.popleft()
+        group.ctx.finish_reduce_scatter(group, reduced)
+
+    def finish_reduce_scatter(self, group: FSDPParamGroup, reduced: ReduceInFlight) -> None:
+        """The rest of ``_finish_oldest_reduce_scatter``, by the root of ``group``
+        (which, with ``share_comm_ctx``, may not be the root whose queue it was in)."""
         reduced.wait()
+        if reduced.all_reduce is not None:  # issued with the reduce-scatter (accelerators)
+            self.all_reduces_in_flight.append(
+                (group, reduced._replace(buffers=(), in_flight=(reduced.all_reduce,)))
+            )
+            return
         replicate_group = group.mesh_info.replicate_group
         if replicate_group is None:
             self._assign(group, reduced)
@@ -142,20 +169,42 @@ class RootContext:
             group.keep_partial_grads(reduced)
         else:
             group.add_partial_grads(reduced)
-            self.finish_all_reduce()
-            if (check := self.order_check) is not None:
-                numel = reduced.output.numel()
-                check.before_collective("all-reduce", group, replicate_group, numel)
-                check.record("all-reduce", group, in_training=True)
-            self.all_reduce_in_flight = (
-                group,
-                all_reduce(reduced, replicate_group, self.comm, group.name),
+            self.finish_all_reduces()
+            self._check_all_reduce(group, reduced)
+            self.all_reduces_in_flight.append(
+                (group, all_reduce(reduced, replicate_group, self.comm, group.name))
             )
 
-    def finish_all_reduce(self) -> None:
-        if self.all_reduce_in_flight is not None:
-            group, reduced = self.all_reduce_in_flight
-            self.all_reduce_in_flight = None
+    def start_all_reduce_early(
+        self, group: FSDPParamGroup, reduced: ReduceInFlight
+    ) -> ReduceInFlight:
+        """Accelerators, HSDP: issues the all-reduce across replicas right after
+        the reduce-scatter, ordered after its event only, so that it overlaps the
+        next groups' backward (on CPU, gloo would block the host on the
+        reduce-scatter first: it waits until the reduce-scatter is finished).
+        Partial sums kept from a backward without all-reduce are added on the
+        current stream after the reduce-scatter instead, the CPU way."""
+        replicate_group = group.mesh_info.replicate_group
+        if (
+            not self.comm.uses_streams
+            or replicate_group is None
+            or not group.requires_all_reduce
+            or any(p.partial_grad is not None for p in reduced.fsdp_params)
+        ):
+            return reduced
+        self._check_all_reduce(group, reduced)
+        early = all_reduce(reduced, replicate_group, self.comm, group.name, reduced.in_flight)
+        return reduced._replace(all_reduce=early.in_flight[0])
+
+    def _check_all_reduce(self, group: FSDPParamGroup, reduced: ReduceInFlight) -> None:
+        if (check := self.order_check) is not None and group.mesh_info.replicate_group:
+            numel = reduced.output.numel()
+            check.before_collective("all-reduce", group, group.mesh_info.replicate_group, numel)
+            check.record("all-reduce", group, in_training=True)
+
+    def finish_all_reduces(self) -> None:
+        while self.all_reduces_in_flight:
+            group, reduced = self.all_reduces_in_flight.popleft()
             reduced.wait()
             self._assign(group, reduced)
 
@@ -166,8 +215,21 @@ class RootContext:
             average(reduced)
             if group.all_reduce_hook is not None:
                 hook, stream = group.all_reduce_hook, group.all_reduce_hook_stream
-                self.comm.run_hook(hook, reduced.output, stream)
-            assign_sharded_grads(reduced)
+                event = self.comm.run_hook(hook, reduced.output, stream)
+                if event is not None:
+                    # The hook's stream overlaps the rest of backward: assigned at its end.
+                    # The reduce-scatter input is done with: only the output is kept.
+                    self.hooks_in_flight.append((reduced._replace(buffers=()), event))
+                    return
+            if assign_sharded_grads(reduced, self.comm.ops):
+                self.comm.grads_to_host()
+
+    def finish_hooks(self) -> None:
+        while self.hooks_in_flight:
+            reduced, event = self.hooks_in_flight.popleft()
+            self.comm.wait_event(event)
+            if assign_sharded_grads(reduced, self.comm.ops):
+                self.comm.grads_to_host()
 
     def start_forward(self) -> None:
         """A new iteration's forward begins (the outermost forward pre-hook).
@@ -176,13 +238,26 @@ class RootContext:
         Forward runs the groups in the same order every iteration unless the
         model branches on data, so the group that followed G last time is
         all-gathered as soon as G's forward starts, overlapping its compute. A
-        wrong guess costs one all-gather, drained at the end of forward.
+        wrong guess costs one all-gather, dropped when the next guess is made
+        (``guess_next``): one guess is alive at a time. (Dropping it as soon as
+        another group starts would all-gather it again if it runs later, and
+        on one rank only when the ranks' orders differ.)
         """
         order = self.pre_forward_order
         if order:
             self.next_in_forward = dict(zip(order, order[1:], strict=False))
             self.pre_forward_order = []
         self.forward_started.clear()
+        self.forward_guess = None
+
+    def guess_next(self, target: FSDPParamGroup) -> None:
+        """Implicit forward prefetch of ``target``. The previous guess, if its
+        forward has not started, was wrong: its all-gather output is freed
+        first, so one guess at most is alive next to the running group."""
+        guess, self.forward_guess = self.forward_guess, target
+        if guess is not None and guess is not target and guess not in self.forward_started:
+            guess.cancel_unshard()
+        target.unshard()
 
     def finish_partial_forwards(self, forward_root: FSDPState) -> None:
         """End of the outermost forward: a group of several modules of which only
@@ -216,13 +291,17 @@ class RootContext:
                     group.cancel_unshard()
             if self.is_last_backward:
                 self.finish_reduce_scatters()
-                self.finish_all_reduce()
+                self.finish_all_reduces()
+                self.finish_hooks()
+            # CPU offload: one host sync per backward, for every grad copied to the host.
+            self.comm.wait_grads_on_host()
             for group in self.groups:
                 group.finalize_backward()
             self.post_forward_order.clear()
             if self.order_check is not None:
                 self.order_check.end_iteration()
             self.final_callback_queued = False
+            self.comm.shards_may_change()
             if self.comm.stats is not None:
                 self.comm.stats.end_step()
 
@@ -342,6 +421,8 @@ class FSDPState:
             if state is not self:
                 _check_root_only_settings(state, name)
             ctx.states.append(state)
+            if state.ctx.comm is not ctx.comm:
+                state.ctx.comm.release_copied_out()  # e.g. unshard() before this forward
             state.ctx = ctx
             for group in state.param_groups:
                 group.ctx = ctx
@@ -383,9 +464,8 @@ class FSDPState:
             self.ctx.forward_root = self
             self.ctx.start_forward()
             if self.device.type != "cpu":
-                args, kwargs = map_tensors(
-                    (args, kwargs), lambda t: t.to(self.device, non_blocking=True)
-                )
+                # Blocking, as DDP: the caller may refill a pinned staging buffer next.
+                args, kwargs = map_tensors((args, kwargs), lambda t: t.to(self.device))
         args, kwargs = self._cast_inputs(args, kwargs)
         if not self.param_groups:
             return args, kwargs
@@ -403,7 +483,7 @@ class FSDPState:
             # unless it already ran in this forward (the order changed).
             target = self.ctx.next_in_forward.get(self.param_groups[-1])
             if target is not None and target not in self.ctx.forward_started:
-                target.unshard()
+                self.ctx.guess_next(target)
         else:
             for state in self.forward_prefetch:
                 for target in state.param_groups:
@@ -439,6 +519,7 @@ class FSDPState:
             _register_tensor_hooks(output, self._pre_backward)
         if is_forward_root:
             self.ctx.forward_root = None
+            self.ctx.comm.shards_may_change()
             # A forward prefetch whose module did not run this time must not be
             # used later: the optimizer may change the shards in between.
             for other in self.ctx.groups:

@@ -76,12 +76,22 @@ class SyncComm:
     """Stands in for ``CommContext``: runs the collective at once, leaves nothing in flight."""
 
     device = CPU
+    ops = None
+    uses_streams = False
+
+    def done_here(self) -> InFlight:
+        return InFlight.done()
 
     def issue(
-        self, kind: str, group_fqn: str, nbytes: int, collective: Callable[[bool], object]
+        self,
+        kind: str,
+        group_fqn: str,
+        nbytes: int,
+        collective: Callable[[bool], object],
+        after: tuple = (),
     ) -> InFlight:
         collective(False)
-        return InFlight(work=None, event=None, label=kind, stats=None)
+        return InFlight(work=None, event=None, ops=None, label=kind, stats=None)
 
 
 @contextmanager

@@ -1,0 +1,429 @@
+"""The accelerator path's stream protocol, run on 2 gloo ranks under the stream
+model (tests/stream_model.py): every scenario trains a few steps with fsdp2's
+streams and events going through the model, which must report no access that
+is not ordered after a conflicting one and no free before a use on another
+stream. The negative control (waits disabled) must report some."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from dist import fake_world, run_ranks
+from models import build_model, global_batch, local_batch, mean_loss, shard_model
+from stream_model import StreamModel
+from test_extension import DIM as EXTENSION_DIM
+from test_extension import OUT
+from test_extension import Model as ExtensionModel
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+import fsdp2
+
+STEPS = 3
+DEFECT = "a known stream defect of issue 19, not fixed yet: "
+
+SCENARIOS = [
+    "plain",
+    "reshard_after_forward=False",
+    "reshard_after_forward=1",
+    "explicit prefetch",
+    "no forward prefetch",
+    "accumulation without sync",
+    "accumulation without resharding",
+    "mixed precision",
+    "reduce-scatter queue of 2",
+    "all-reduce hook on a stream",
+    "all-reduce hook on a stream, raising",
+    "optimizer on a side stream",
+    "exception, reset_iter_state",
+    "unshard(async_op=True)",
+    "CPU offload",
+    "HSDP",
+    "HSDP, accumulation without all-reduce",
+    "extension",
+    "share_comm_ctx",
+]
+XFAIL = {}
+
+
+class HookFailed(Exception):
+    pass
+
+
+class Run:
+    """One scenario's model of streams, and where its training is."""
+
+    def __init__(self, streams: StreamModel) -> None:
+        self.streams = streams
+        self.step = 0
+        self.raised = False  # the scenario's one exception has been raised
+        self._optimizer_stream: Any = None
+        self.hook_points: list[tuple[int, int]] = []  # this step's, where each hook ended
+        self.joined_hooks: list[bool] = []  # per check: compute ordered after a hook?
+        # HSDP: per step, (where layers.1's backward started, collectives before then),
+        # and how many collectives had run when the step started.
+        self.backward_points: list[tuple[tuple[int, int], int]] = []
+        self.step_starts: list[int] = []
+
+    @property
+    def optimizer_stream(self) -> Any:
+        if self._optimizer_stream is None:
+            self._optimizer_stream = self.streams.new_stream()
+        return self._optimizer_stream
+
+
+def _shard(name: str) -> nn.Module:
+    kwargs: dict = {}
+    if name == "reshard_after_forward=False":
+        kwargs["reshard_after_forward"] = False
+    elif name == "reshard_after_forward=1":
+        kwargs["reshard_after_forward"] = 1
+    elif name == "mixed precision":
+        kwargs["mp_policy"] = fsdp2.MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+        )
+    elif name == "CPU offload":
+        kwargs["offload_policy"] = fsdp2.CPUOffloadPolicy()
+    elif name.startswith("HSDP"):
+        kwargs["mesh"] = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
+    if name == "extension":
+        return shard_model(ExtensionModel(trainable=True))
+    return shard_model(build_model("mlp"), **kwargs)
+
+
+def _configure(name: str, model: nn.Module, run: Run) -> None:
+    layers = list(model.layers)
+    if name == "explicit prefetch":
+        for before, after in zip(layers, layers[1:], strict=False):
+            before.set_modules_to_forward_prefetch([after])
+            after.set_modules_to_backward_prefetch([before])
+    elif name == "no forward prefetch":
+        for layer in layers:
+            layer.set_modules_to_forward_prefetch([])
+
+        def mark(module: nn.Module, args: Any, output: Any) -> None:
+            point = run.streams.point()
+            run.backward_points.append((point, len(run.streams.collectives)))
+
+        layers[1].register_forward_hook(mark)
+    elif name == "HSDP":
+
+        def mark(module: nn.Module, grad_output: Any) -> None:
+            point = run.streams.point()
+            run.backward_points.append((point, len(run.streams.collectives)))
+
+        layers[1].register_full_backward_pre_hook(mark)
+    elif name == "reduce-scatter queue of 2":
+        model.set_reduce_scatter_max_input_buffers(2)
+    elif name.startswith("all-reduce hook on a stream"):
+        side = run.streams.new_stream()
+        raising = name.endswith("raising")
+
+        def hook(output: torch.Tensor) -> None:
+            output.mul_(1.0)
+            run.hook_points.append(run.streams.point())
+            if raising and not run.raised:
+                run.raised = True
+                raise HookFailed
+
+        for layer in layers:
+            layer.set_all_reduce_hook(hook, stream=side)
+
+        def check_overlap(module: nn.Module, grad_output: Any) -> None:
+            # The first layer's backward comes after the last layer's hook ran.
+            run.joined_hooks += [run.streams.after(p) for p in run.hook_points]
+
+        layers[0].register_full_backward_pre_hook(check_overlap)
+
+
+def _batch(name: str, step: int, rank: int, world_size: int) -> tuple[torch.Tensor, ...]:
+    if name == "extension":
+        gen = torch.Generator().manual_seed(step)
+        return torch.randn(4, EXTENSION_DIM, generator=gen), torch.randn(4, OUT, generator=gen)
+    return local_batch(global_batch("mlp", step), rank, world_size)
+
+
+def _backward(
+    name: str,
+    model: nn.Module,
+    optim: torch.optim.Optimizer,
+    step: int,
+    rank: int,
+    world_size: int,
+) -> None:
+    inputs, targets = _batch(name, step, rank, world_size)
+    if name.startswith("accumulation") or name.endswith("without all-reduce"):
+        half = inputs.size(0) // 2
+        if name == "accumulation without sync":
+            model.set_requires_gradient_sync(False)
+        elif name == "accumulation without resharding":
+            model.set_reshard_after_backward(False)
+        else:
+            model.set_requires_all_reduce(False)
+        mean_loss(model, inputs[:half], targets[:half]).backward()
+        model.set_requires_gradient_sync(True)
+        model.set_reshard_after_backward(True)
+        model.set_requires_all_reduce(True)
+        mean_loss(model, inputs[half:], targets[half:]).backward()
+        return
+    if name == "unshard(async_op=True)":
+        handle = model.layers[0].unshard(async_op=True)
+        assert handle is not None
+        handle.wait()
+    if name == "exception, reset_iter_state" and step == 1:
+        with pytest.raises(HookFailed):
+            mean_loss(model, inputs, targets).backward()
+        model.reset_iter_state()
+        return
+    loss = mean_loss(model, inputs, targets)
+    if name == "optimizer on a side stream":
+        # The gradients the side stream read are freed once forward has waited for
+        # it (set_post_optim_event), not before: their memory would be reused
+        # while the optimizer may still read it.
+        optim.zero_grad()
+    try:
+        loss.backward()
+    except HookFailed:
+        model.reset_iter_state()
+
+
+def _optimizer_step(name: str, model: nn.Module, optim: torch.optim.Optimizer, run: Run) -> None:
+    if name == "optimizer on a side stream":
+        # As the docs of set_post_optim_event suggest: the step on its own stream.
+        side = run.optimizer_stream
+        side.wait_stream(run.streams.current_stream())
+        with side:
+            optim.step()
+        model.set_post_optim_event(side.record_event())
+        return
+    optim.step()
+    optim.zero_grad()
+
+
+def _train(name: str, streams: StreamModel, rank: int, world_size: int) -> Run:
+    run = Run(streams)
+    if name == "share_comm_ctx":
+        first, second = _shard("plain"), _shard("plain")
+        streams.plug_into(first)
+        streams.plug_into(second)
+        fsdp2.share_comm_ctx([first, second])
+        models = [first, second]
+    else:
+        model = _shard(name)
+        streams.plug_into(model)
+        _configure(name, model, run)
+        models = [model]
+    if name == "exception, reset_iter_state":
+        # Raises in backward of the second step, between two reduce-scatters.
+        def fail_once(module: nn.Module, grad_input: Any, grad_output: Any) -> None:
+            if not run.raised and run.step == 1:
+                run.raised = True
+                raise HookFailed
+
+        models[0].layers[1].register_full_backward_hook(fail_once)
+    optims = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in models]
+    with streams:
+        for step in range(STEPS):
+            run.step = step
+            run.hook_points.clear()
+            run.step_starts.append(len(streams.collectives))
+            for model, optim in zip(models, optims, strict=True):
+                _backward(name, model, optim, step, rank, world_size)
+                _optimizer_step(name, model, optim, run)
+    return run
+
+
+DESIGN = Path(__file__).parent.parent / "docs" / "design.md"
+STREAM_NAMES = {
+    "current": "current",
+    "copy-in": "all_gather_copy_in",
+    "all-gather": "all_gather",
+    "reduce-scatter": "reduce_scatter",
+    "all-reduce": "all_reduce",
+    "user": "user",
+}
+
+
+class TableRow(NamedTuple):
+    buffer: str
+    first_write: frozenset[str]
+    allocated_on: frozenset[str]
+    written_on: frozenset[str]
+    read_on: frozenset[str]
+    freed_on: frozenset[str]
+
+
+def stream_table() -> list[TableRow]:
+    """docs/design.md's table of which stream touches each buffer."""
+    text = DESIGN.read_text()
+    section = text[text.index("### Streams: who touches each buffer") :]
+    lines = section.splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith("|"))
+    end = next(i for i in range(first, len(lines)) if not lines[i].startswith("|"))
+    table = []
+    for line in lines[first + 2 : end]:  # past the header and its rule
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        ops = frozenset(op.strip(" `") for op in cells[1].split(","))
+
+        def streams(cell: str) -> frozenset[str]:
+            return frozenset(STREAM_NAMES[n.strip()] for n in cell.split(","))
+
+        table.append(TableRow(cells[0], ops, *(streams(c) for c in cells[2:6])))
+    return table
+
+
+def check_stream_table(streams: StreamModel, require_every_row: bool) -> None:
+    """Every buffer the table names was allocated, written and read only on the
+    streams it says (freed: by the model's rule, on its allocating stream)."""
+    table = stream_table()
+    assert len(table) == 4, table
+    matched = set()
+    for history in streams.all_histories():
+        for row in table:
+            if history.first_write in row.first_write:
+                matched.add(row.buffer)
+                assert row.freed_on == row.allocated_on, row
+                assert history.allocated_on in row.allocated_on, (row, history)
+                assert history.written_on <= row.written_on, (row, history)
+                assert history.read_on <= row.read_on, (row, history)
+    if require_every_row:
+        assert matched == {row.buffer for row in table}, matched
+
+
+def _scenario(rank: int, world_size: int, name: str) -> None:
+    streams = StreamModel()
+    run = _train(name, streams, rank, world_size)
+    assert streams.violations == [], "\n".join(sorted(set(streams.violations))[:10])
+    check_stream_table(streams, require_every_row=name == "plain")
+    # Memory: at most two groups' all-gather buffers alive (the running group's
+    # and one prefetch), and K reduce-scatter inputs with a queue of K.
+    assert streams.peak_alive.get("_foreach_copy_", 0) <= 2, streams.peak_alive
+    if not name.startswith("HSDP"):  # there the input is the output, kept to the end
+        queue = 2 if name == "reduce-scatter queue of 2" else 1
+        assert streams.peak_alive.get("_chunk_cat", 0) == queue, streams.peak_alive
+    # The collectives ran on comm streams, not on the compute stream.
+    assert sum(n for s, n in streams.ops_by_stream.items() if s != "current") > 0
+    if name == "CPU offload":
+        # Grads copied to pinned host memory without blocking; one host sync per
+        # backward, not one per parameter.
+        assert streams.pinned > 0, streams.pinned
+        assert streams.host_syncs == STEPS, streams.host_syncs
+    else:
+        assert streams.host_syncs == 0, streams.host_syncs
+    if name == "no forward prefetch":
+        # Without a prefetch the next group's all-gather is issued after the
+        # group's forward, yet not ordered after its compute: it may overlap it.
+        for point, before in run.backward_points:
+            following = streams.collectives[before]
+            assert not StreamModel.clock_after(following[1], point), (following, point)
+    if name == "HSDP":
+        # The last block's all-reduce across replicas overlaps the next block's
+        # backward: it is not ordered after the start of layers.1's backward.
+        for start, (point, _) in zip(run.step_starts, run.backward_points, strict=True):
+            first = next(c for c in streams.collectives[start:] if c[0] == "allreduce_")
+            assert not StreamModel.clock_after(first[1], point), (first, point)
+    if name == "all-reduce hook on a stream":
+        # Backward goes on while the hooks run: no compute op waits for them.
+        assert run.joined_hooks and not any(run.joined_hooks), run.joined_hooks
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=DEFECT + XFAIL[n]))
+        if n in XFAIL
+        else n
+        for n in SCENARIOS
+    ],
+)
+def test_scenario_has_no_unordered_access(tmp_path: Path, name: str) -> None:
+    run_ranks(_scenario, 2, tmp_path, name)
+
+
+def _without_waits(rank: int, world_size: int) -> None:
+    streams = StreamModel(waits=False)
+    _train("plain", streams, rank, world_size)
+    # The copy-in written on the compute stream, read by the all-gather on its
+    # stream; the all-gather output read by the copy-out; the gradients'
+    # reduce-scatter buffers freed on the compute stream.
+    assert len(streams.violations) > 0
+    assert any("without waiting" in v for v in streams.violations), streams.violations[:5]
+    assert any("freed" in v for v in streams.violations), streams.violations[:5]
+    dist.barrier()
+
+
+@pytest.mark.distributed
+def test_negative_control_without_waits_reports_violations(tmp_path: Path) -> None:
+    run_ranks(_without_waits, 2, tmp_path)
+
+
+def _reset_runs_nothing(rank: int, world_size: int) -> None:
+    mp = fsdp2.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    # Kept unsharded after forward, as backward would find them.
+    model = shard_model(build_model("mlp"), mp_policy=mp, reshard_after_forward=False)
+    streams = StreamModel()
+    streams.plug_into(model)
+    inputs, _ = local_batch(global_batch("mlp", 0), rank, world_size)
+    with streams:
+        model(inputs)
+        # As if backward had stopped after the root's gradients were computed.
+        for param in model.parameters():
+            assert not isinstance(param, DTensor)  # the unsharded parameters
+            param.grad = torch.ones_like(param)
+        ops = dict(streams.ops_by_stream)
+        model.reset_iter_state()
+    # Recovery only drops references: no cast, no redistribute, no collective.
+    assert streams.ops_by_stream == ops, (ops, streams.ops_by_stream)
+    assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.distributed
+def test_reset_iter_state_only_drops_references(tmp_path: Path) -> None:
+    run_ranks(_reset_runs_nothing, 2, tmp_path)
+
+
+class HandleReturningAllGather:
+    """A custom all-gather that returns a work handle even with ``async_op=False``
+    (as a backend's own collective may); records whether it was waited for."""
+
+    def __init__(self) -> None:
+        self.waited: list[bool] = []
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        dist.all_gather_into_tensor(output_tensor, input_tensor, group=group)
+        handle = self
+
+        class Work:
+            def wait(self) -> bool:
+                handle.waited.append(async_op)
+                return True
+
+            def is_completed(self) -> bool:
+                return True
+
+        return Work()
+
+
+def test_custom_all_gather_handle_is_waited_for() -> None:
+    """Issue 19, defect 13: on an accelerator the handle is waited on the
+    all-gather stream, as torch does."""
+    with fake_world(2):
+        model = shard_model(build_model("mlp"))
+        streams = StreamModel()
+        streams.plug_into(model)
+        custom = HandleReturningAllGather()
+        for layer in model.layers:
+            layer.set_custom_all_gather(custom)
+        with streams:
+            model(torch.randn(4, 17)).sum().backward()
+        # Forward and backward, one all-gather each per layer, every one waited.
+        assert custom.waited == [False] * 6, custom.waited
