@@ -238,6 +238,21 @@ class FSDPParam:
             self.unsharded_param = None
             self._grad_spec = None
 
+    def check_not_replaced(self) -> None:
+        """Raises if the module no longer holds the sharded parameter: replaced
+        after the first forward, the new one would be overwritten by the next
+        unshard. Called with the group sharded."""
+        if not self.slots:
+            return
+        slot = self.slots[0]
+        if slot.module._parameters[slot.name] is not self.sharded_param:
+            raise RuntimeError(
+                f"fsdp2: {self.fqn!r} was replaced on its module after the first forward; "
+                "the replacement would be overwritten by the next all-gather. Assign new "
+                "parameters before the first forward, or copy values into the existing one "
+                "in place (with torch.no_grad(): param.copy_(...), or load_state_dict)."
+            )
+
     def _adoptable(self, param: torch.Tensor | None) -> nn.Parameter:
         """``param`` as a sharded parameter of this layout, or a ValueError
         saying why it cannot be one."""
@@ -341,14 +356,6 @@ class FSDPParam:
         """This rank's inputs to the group's all-gather, flat, each at most its
         slot long: the local shard (cast to ``param_dtype`` by the copy-in), or
         what the subclass's ``fsdp_pre_all_gather`` returns."""
-        slot = self.slots[0]
-        if slot.module._parameters[slot.name] is not self.sharded_param:
-            raise RuntimeError(
-                f"fsdp2: {self.fqn!r} was replaced on its module after the first forward; "
-                "the replacement would be overwritten by the next all-gather. Assign new "
-                "parameters before the first forward, or copy values into the existing one "
-                "in place (with torch.no_grad(): param.copy_(...), or load_state_dict)."
-            )
         local = local_tensor(self.sharded_param)
         if self.extension is None:
             return [local.view(-1)]

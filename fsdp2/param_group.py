@@ -142,6 +142,8 @@ class FSDPParamGroup:
             inputs, slots = [shard], [(shard.numel(), shard.dtype)]
         else:
             info = self.mesh_info
+            for fsdp_param in self.sharded_params:
+                fsdp_param.check_not_replaced()
             inputs = [x for p in self.sharded_params for x in p.all_gather_inputs()]
             slots = self._all_gather_slots()
         buffer_dtype = all_gather_dtype([dtype for _, dtype in slots])

@@ -431,8 +431,10 @@ class FSDPState:
             for i, group in enumerate(state.param_groups):
                 _name_from_root(group, names, module_paths, i)
         for group in ctx.groups:
-            # Parameters assigned since fully_shard (a loader filling a meta model).
-            group.reset_sharded_params()
+            # Parameters assigned since fully_shard (a loader filling a meta model);
+            # a group unsharded before the first forward holds its unsharded ones.
+            if group.sharded_state is ShardedState.SHARDED:
+                group.reset_sharded_params()
         _check_materialized(ctx.groups)
         if self.reshard_after_forward_arg is None:
             # The root's parameters are needed again first thing in backward.
