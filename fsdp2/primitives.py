@@ -53,6 +53,8 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
+from .private_api import run_as_collective
+
 
 class Waitable(Protocol):
     """What an asynchronous collective returns: a ``dist.Work``, or a
@@ -77,7 +79,13 @@ def all_gather_single(
     """Gathers every rank's ``input`` into ``output`` (1D or rank-major along
     dim 0), as ``dist.all_gather_single``."""
     if dist.all_gather_single is _TORCH_ALL_GATHER and _own_path(group, output):
-        return _finish(_gloo_all_gather(output, input, group), async_op)
+        return run_as_collective(
+            lambda: _finish(_gloo_all_gather(output, input, group), async_op),
+            "all_gather",
+            output,
+            input,
+            group,
+        )
     return dist.all_gather_single(output, input, group=group, async_op=async_op)
 
 
@@ -87,7 +95,13 @@ def reduce_scatter_single(
     """Sums ``input`` (1D, rank-major) over the ranks and leaves this rank's
     block in ``output``, as ``dist.reduce_scatter_single`` with ``ReduceOp.SUM``."""
     if dist.reduce_scatter_single is _TORCH_REDUCE_SCATTER and _own_path(group, input):
-        return _finish(_gloo_reduce_scatter(output, input, group), async_op)
+        return run_as_collective(
+            lambda: _finish(_gloo_reduce_scatter(output, input, group), async_op),
+            "reduce_scatter",
+            output,
+            input,
+            group,
+        )
     return dist.reduce_scatter_single(output, input, group=group, async_op=async_op)
 
 

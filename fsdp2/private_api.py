@@ -9,9 +9,10 @@ import copy
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal, TypeVar
 
 import torch
+import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch.autograd import Variable
 from torch.distributed._composable.contract import REGISTRY_KEY, RegistryItem
@@ -19,9 +20,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import _StridedShard
+from torch.utils._python_dispatch import _disable_current_modes
+
+_T = TypeVar("_T")
 
 __all__ = [
     "chunk_cat_",
+    "run_as_collective",
     "concatenate_meshes",
     "flatten_axes",
     "dtensor_from_local_no_grad",
@@ -257,3 +262,55 @@ def shards_tensor(placement: Placement) -> bool:
     ``is_shard()`` answers False.
     """
     return isinstance(placement, Shard | _StridedShard)
+
+
+def run_as_collective(
+    implementation: Callable[[], _T],
+    collective: Literal["all_gather", "reduce_scatter"],
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: dist.ProcessGroup,
+) -> _T:
+    """Runs ``implementation`` (fsdp2's collective built from other ones, see
+    [Note: collectives on gloo] in primitives.py) so that the dispatch modes of
+    this rank (``CommDebugMode``, the stream model of the tests, a user's op
+    logger) see the one c10d collective it implements, with its output and
+    input, instead of its broadcasts or sends: what they count, read and write
+    is what torch's own collective would show them.
+
+    The collective is first dispatched on a stand-in group of torch's fake
+    backend (this rank and the group's size), which exchanges nothing (it
+    fills ``output`` from this rank's data alone), then the parts run with the
+    modes popped and write the real result. Only what this rank's modes see
+    depends on whether it has any: the messages between the ranks are the
+    same on every rank.
+
+    Why private: dispatch modes have no public "hide these ops" switch
+    (``_disable_current_modes``), and a group that dispatches collectives
+    without moving data is built from c10d's backend registration and fake
+    backend (``_register_backend``, ``FakeProcessGroup``).
+    """
+    if torch._C._len_torch_dispatch_stack() == 0:
+        return implementation()
+    stand_in = _stand_in_group(group.rank(), group.size())
+    if collective == "all_gather":
+        stand_in._allgather_base(output, input)
+    else:
+        options = dist.ReduceScatterOptions()
+        options.reduceOp = dist.ReduceOp.SUM
+        stand_in._reduce_scatter_base(output, input, options)
+    with _disable_current_modes():
+        return implementation()
+
+
+@functools.cache
+def _stand_in_group(rank: int, world_size: int) -> dist.ProcessGroup:
+    from torch._C._distributed_c10d import FakeProcessGroup
+
+    group = dist.ProcessGroup(dist.HashStore(), rank, world_size)
+    backend_type = dist.ProcessGroup.BackendType.CUSTOM
+    group._set_default_backend(backend_type)
+    group._register_backend(
+        torch.device("cpu"), backend_type, FakeProcessGroup._create_internal(rank, world_size)
+    )
+    return group
