@@ -31,10 +31,11 @@ the tensors' device, the environment variable ``FSDP2_TORCH_COLLECTIVES=1``
 (torch's collectives everywhere, for tools that must see them) and whether
 ``dist.all_gather_single`` / ``dist.reduce_scatter_single`` have been
 replaced (then the replacement is called, as torch's fully_shard would:
-torch's test helpers delay or count collectives that way, on every rank). It never depends on what a rank alone
-observes: under ``CommDebugMode``, entered on one rank or all, fsdp2's
-all-gather counts as W broadcasts and its reduce-scatter not at all (point
-to point is not counted there); ``fsdp2.comm_stats`` counts both.
+torch's test helpers delay or count collectives that way, on every rank). It
+never depends on what a rank alone observes. What a rank's dispatch modes
+(``CommDebugMode`` among them) see is the collective it implements, one
+``c10d._allgather_base_`` or ``c10d._reduce_scatter_base_``, as with torch's
+(``private_api.run_as_collective``); ``fsdp2.comm_stats`` counts both too.
 
 Per rank on 2 ranks, 12 MiB (3.1 M float32, a dim-512 block), CPU time of all
 of the process's threads: reduce-scatter 10.8 ms -> 5.8 ms, all-gather

@@ -96,6 +96,59 @@ def _adopted(rank: int, world_size: int) -> None:
                 assert_close(value, ref.get_parameter(name), **REF_TOL, msg=name)
 
 
+def _meta_then_materialized(rank: int, world_size: int) -> None:
+    """Meta DTensors assigned after fully_shard, then ``to_empty`` and a load:
+    adopted as materialized, trained as torch's and the reference."""
+    mesh = init_device_mesh("cpu", (world_size,))
+    kind = "transformer_tied"
+    values = _new_values(kind)
+    ref = build_model(kind)
+    ref.load_state_dict(values, strict=False)
+    models = [shard_model(build_model(kind), mesh=mesh)]
+    models.append(shard_model(build_model(kind), torch_fully_shard, mesh=mesh))
+    for model in models:
+        current = dict(model.named_parameters(remove_duplicate=False))
+        new: dict[int, nn.Parameter] = {}
+        for name, param in current.items():
+            if id(param) not in new:
+                local = torch.empty(param.to_local().shape, device="meta")
+                meta = DTensor.from_local(
+                    local,
+                    param.device_mesh,
+                    param.placements,
+                    run_check=False,
+                    shape=param.shape,
+                    stride=param.stride(),
+                )
+                new[id(param)] = nn.Parameter(meta)
+            module_name, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(module_name), attr, new[id(param)])
+        model.to_empty(device="cpu")
+        sharded = {
+            name: distribute_tensor(values[name], param.device_mesh, param.placements)
+            for name, param in model.named_parameters()
+        }
+        model.load_state_dict(sharded, strict=False)
+    model, torch_model = models
+    assert model.output.weight is model.tok_embeddings.weight, "untied by adoption"
+    optims = [make_optimizer(m) for m in (ref, model, torch_model)]
+    for step in range(STEPS):
+        batch = global_batch(kind, step)
+        local = local_batch(batch, rank, world_size)
+        ref_loss = mean_loss(ref, *batch)
+        ref_loss.backward()
+        loss, torch_loss = (mean_loss(m, *local) for m in (model, torch_model))
+        loss.backward()
+        torch_loss.backward()
+        assert_close(global_mean(loss, world_size), ref_loss.detach(), **REF_TOL)
+        assert_close(loss.detach(), torch_loss.detach(), **EXACT, msg=f"step {step}")
+        for optim in optims:
+            optim.step()
+            optim.zero_grad()
+    for name, value in full_params(model).items():
+        assert_close(value, ref.get_parameter(name), **REF_TOL, msg=name)
+
+
 def _refused(rank: int, world_size: int) -> None:
     mesh = init_device_mesh("cpu", (world_size,))
     inputs = local_batch(global_batch("mlp", 0), rank, world_size)
@@ -148,6 +201,13 @@ def test_replaced_parameters_are_adopted(tmp_path: Path) -> None:
     replacements and match the reference built from the new values; the tied
     pair stays one Parameter."""
     run_ranks(_adopted, WORLD_SIZE, tmp_path)
+
+
+def test_meta_replacements_materialized_later_are_adopted(tmp_path: Path) -> None:
+    """Meta DTensors assigned after fully_shard (the tied pair as one), then
+    ``to_empty(device="cpu")`` and a sharded load: 3 steps equal torch's
+    fully_shard given the same and match the reference; the pair stays tied."""
+    run_ranks(_meta_then_materialized, WORLD_SIZE, tmp_path)
 
 
 def test_replacements_that_cannot_be_adopted(tmp_path: Path) -> None:
