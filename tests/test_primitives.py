@@ -153,6 +153,32 @@ def _torch_collectives_by_environment(rank: int, world_size: int) -> None:
     assert_close(reduced, torch.full((2,), float(world_size)))
 
 
+def _training_counts_equal_torch(rank: int, world_size: int) -> None:
+    """One training step under CommDebugMode: fsdp2's counts, in total and per
+    module and pass, are torch's fully_shard's."""
+    from models import build_model, global_batch, local_batch, mean_loss, shard_model
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard  # the reference only
+
+    import fsdp2
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    batch = local_batch(global_batch("transformer_untied", 0), rank, world_size)
+    seen = []
+    for fully_shard in (fsdp2.fully_shard, torch_fully_shard):
+        model = shard_model(build_model("transformer_untied"), fully_shard, mesh=mesh)
+        with CommDebugMode() as comm:
+            mean_loss(model, *batch).backward()
+        per_module = {
+            name: {p: dict(counts) for p, counts in passes.items()}
+            for name, passes in comm.comm_module_counts.items()
+        }
+        seen.append((dict(comm.get_comm_counts()), per_module))
+    counts = seen[0][0]
+    assert counts[c10d_ops._allgather_base_] > 0 and counts[c10d_ops._reduce_scatter_base_] > 0
+    assert seen[0] == seen[1], seen
+
+
 def _user_messages_during_reduce_scatter(rank: int, world_size: int) -> None:
     """Rank 0 posts a receive from rank 1 (default tag) before fsdp2's
     reduce-scatter starts; rank 1 sends it after its reduce-scatter started.
@@ -190,6 +216,13 @@ def test_observation_does_not_change_the_protocol(tmp_path: Path) -> None:
     """A dispatch mode on one rank does not change fsdp2's collectives (the
     ranks would part); replaced torch collectives are called."""
     run_ranks(_observation_does_not_change_the_protocol, 2, tmp_path)
+
+
+@pytest.mark.distributed
+def test_comm_debug_mode_counts_training_as_torch(tmp_path: Path) -> None:
+    """CommDebugMode over a forward and backward counts fsdp2's collectives as
+    it counts torch's fully_shard's (2 ranks, every block sharded)."""
+    run_ranks(_training_counts_equal_torch, 2, tmp_path)
 
 
 @pytest.mark.distributed
