@@ -297,7 +297,7 @@ def run_as_collective(
         stand_in._allgather_base(output, input)
     else:
         options = dist.ReduceScatterOptions()
-        options.reduceOp = dist.ReduceOp.SUM
+        options.reduceOp = dist.ReduceOp(dist.ReduceOp.SUM)
         stand_in._reduce_scatter_base(output, input, options)
     with _disable_current_modes():
         return implementation()
