@@ -238,7 +238,7 @@ class FSDPParamGroup:
         """After ``nn.Module._apply`` changed the sharded parameters (see
         ``FSDPParam.reset_sharded_param``)."""
         for fsdp_param in self.fsdp_params:
-            fsdp_param.reset_sharded_param()
+            fsdp_param.reset_sharded_param(self.ctx.comm.ops)
 
     def _to_sharded(self) -> None:
         for fsdp_param in self.fsdp_params:

@@ -28,6 +28,7 @@ __all__ = [
     "dtensor_spec",
     "in_backward",
     "local_tensor",
+    "set_local_tensor",
     "profiled",
     "mark_composable_api",
     "functorch_transforms_active",
@@ -105,6 +106,19 @@ def local_tensor(dtensor: torch.Tensor) -> torch.Tensor:
     if not isinstance(dtensor, DTensor):
         raise AssertionError(f"expected a DTensor, got a {type(dtensor).__name__}")
     return dtensor._local_tensor
+
+
+def set_local_tensor(dtensor: torch.Tensor, local: torch.Tensor) -> None:
+    """Makes ``dtensor`` hold ``local`` (same shape, dtype and strides) instead
+    of its tensor, keeping the object.
+
+    Why private: a DTensor has no public way to change the tensor it wraps,
+    and a new DTensor would be a new object: an optimizer already built on the
+    parameter would step the old one (CPU offload pins a shard again in place).
+    """
+    if not isinstance(dtensor, DTensor):
+        raise AssertionError(f"expected a DTensor, got a {type(dtensor).__name__}")
+    dtensor._local_tensor = local
 
 
 def functorch_transforms_active() -> bool:

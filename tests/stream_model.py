@@ -148,6 +148,7 @@ class StreamModel(TorchDispatchMode):
         self.host_clock: Clock = {}  # what the host has synchronized with
         self.host_syncs = 0  # event.synchronize() calls: the host blocked
         self.pinned = 0  # pinned_empty() calls
+        self._pinned_by_pin: list[torch.Tensor] = []  # pin()'s copies
 
     # -- device ops (the engine's seam) ------------------------------------
 
@@ -169,6 +170,20 @@ class StreamModel(TorchDispatchMode):
         """Host memory for non-blocking copies (plain CPU memory here), counted."""
         self.pinned += 1
         return torch.empty(shape, dtype=dtype)
+
+    def pin(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Page-locked memory, faked: a copy of ``tensor`` that ``is_pinned``
+        knows (``tensor`` itself if it is one)."""
+        if self.is_pinned(tensor):
+            return tensor
+        pinned = tensor.clone()
+        self._pinned_by_pin.append(pinned)
+        return pinned
+
+    def is_pinned(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor``'s storage came from ``pin``."""
+        storage = tensor.untyped_storage()
+        return any(p.untyped_storage() is storage for p in self._pinned_by_pin)
 
     def merge(self, index: int, clock: Clock) -> None:
         if not self.waits:

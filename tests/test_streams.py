@@ -19,6 +19,7 @@ from stream_model import StreamModel
 from test_extension import DIM as EXTENSION_DIM
 from test_extension import OUT
 from test_extension import Model as ExtensionModel
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
@@ -427,3 +428,49 @@ def test_custom_all_gather_handle_is_waited_for() -> None:
             model(torch.randn(4, 17)).sum().backward()
         # Forward and backward, one all-gather each per layer, every one waited.
         assert custom.waited == [False] * 6, custom.waited
+
+
+@pytest.mark.parametrize(
+    "change", ['to_empty(device="cpu")', "to(torch.float64)", "load_state_dict(assign=True)"]
+)
+def test_offloaded_shards_are_pinned_again(change: str) -> None:
+    """Issue 19, defect 11: with ``CPUOffloadPolicy(pin_memory=True)`` on an
+    accelerator, shards that ``nn.Module._apply`` or an assigning load replaced
+    are on the CPU and pinned again (here by the model's pinning, a copy it
+    knows; the shards are not pinned at fully_shard on a CPU mesh)."""
+    with fake_world(2):
+        offload = fsdp2.CPUOffloadPolicy(pin_memory=True)
+        model = shard_model(build_model("mlp"), offload_policy=offload)
+        streams = StreamModel()
+        streams.plug_into(model)
+        loaded = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        if change == 'to_empty(device="cpu")':
+            model.to_empty(device="cpu")
+        elif change == "to(torch.float64)":
+            model.to(torch.float64)
+        else:
+            model.load_state_dict(loaded, assign=True)
+        for name, param in model.named_parameters():
+            shard = param.to_local()
+            assert shard.device.type == "cpu" and streams.is_pinned(shard), name
+            if change.startswith("load_state_dict"):
+                assert torch.equal(shard, loaded[name].to_local()), name
+
+
+@pytest.mark.parametrize("pin_memory", [True, False])
+def test_offloaded_shards_moved_to_the_accelerator_are_refused(pin_memory: bool) -> None:
+    """Issue 19, defect 11: with CPU offload, ``to_empty(device="cuda")`` after
+    fully_shard raises at once, naming the parameter and the fix, instead of a
+    CPU gradient meeting a CUDA parameter at the first backward. The CUDA
+    memory is faked: under ``FakeTensorMode`` a CPU-only build runs the same
+    ``to_empty`` (``nn.Module._apply``, fsdp2's reset of its shards) with
+    tensors that have a device but no data."""
+    with fake_world(2):
+        offload = fsdp2.CPUOffloadPolicy(pin_memory=pin_memory)
+        model = shard_model(build_model("mlp"), offload_policy=offload)
+        expected = r"'weight' is on cuda:0, but with CPUOffloadPolicy.*to_empty\(device=\"cpu\"\)"
+        with (
+            FakeTensorMode(allow_non_fake_inputs=True),
+            pytest.raises(ValueError, match=expected),
+        ):
+            model.to_empty(device="cuda")
