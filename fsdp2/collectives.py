@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from . import primitives
-from .comm import CommContext, InFlight
+from .comm import CommContext, HostCopy, InFlight
 from .custom_comm import AllGather, ReduceScatter, allocate
 from .device_ops import DeviceOps
 from .param import FSDPParam
@@ -291,10 +291,11 @@ def average(reduced: ReduceInFlight) -> None:
 
 
 @torch.no_grad()
-def assign_sharded_grads(reduced: ReduceInFlight, ops: DeviceOps | None = None) -> bool:
-    """Accumulates an averaged reduction into the sharded grads; True if some
-    are still being copied to the host (see ``FSDPParam.accumulate_sharded_grad``)."""
-    copying = False
+def assign_sharded_grads(reduced: ReduceInFlight, ops: DeviceOps | None = None) -> list[HostCopy]:
+    """Accumulates an averaged reduction into the sharded grads; returns those
+    still being copied to the host (see ``FSDPParam.accumulate_sharded_grad``)."""
+    copies = []
     for fsdp_param, local_grad in zip(reduced.fsdp_params, output_slots(reduced), strict=True):
-        copying |= fsdp_param.accumulate_sharded_grad(local_grad, ops)
-    return copying
+        if (copy := fsdp_param.accumulate_sharded_grad(local_grad, ops)) is not None:
+            copies.append(copy)
+    return copies

@@ -36,6 +36,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
+from .comm import HostCopy
 from .common import MeshInfo, SpmdAxes, chunk_rows
 from .device_ops import DeviceOps
 from .extension import AllGatherExtension, uses_all_gather_extension
@@ -538,36 +539,34 @@ class FSDPParam:
 
     def accumulate_sharded_grad(
         self, local_grad: torch.Tensor, ops: DeviceOps | None = None
-    ) -> bool:
-        """Adds this rank's reduced rows (unpadded, shaped like the local shard).
-        Returns True if they are still being copied to pinned host memory
-        (``CPUOffloadPolicy`` on an accelerator): the host must wait for the
-        current stream before reading them (once, at the end of backward)."""
+    ) -> HostCopy | None:
+        """Adds this rank's reduced rows (unpadded, shaped like the local shard)
+        to the sharded grad. With ``CPUOffloadPolicy`` on an accelerator they
+        are copied to pinned host memory without blocking the host: returns
+        the copy, which is the grad or is added to it once the host has waited
+        for the current stream (``CommContext.wait_grads_on_host``, once at
+        the end of backward)."""
+        grad = self.sharded_param.grad
         hooks = self.sharded_param._post_accumulate_grad_hooks
-        copying = (
-            self.offload
-            and self.pin_memory
-            and ops is not None
-            and self.sharded_param.grad is None  # adding to one needs the host
-            and not hooks  # they read the gradient now
-        )
-        if copying and ops is not None:
+        if self.offload and self.pin_memory and ops is not None and not hooks:
             host = ops.pinned_empty(local_grad.shape, self.orig_dtype)
             host.copy_(local_grad, non_blocking=True)
-            local_grad = host
-        else:
-            local_grad = local_grad.to(self.shard_device, self.orig_dtype)
-        if self.sharded_param.grad is None:
+            if grad is not None:
+                return HostCopy(host, local_tensor(grad))
+            self.sharded_param.grad = self._as_sharded_grad(host)
+            return HostCopy(host, None)
+        local_grad = local_grad.to(self.shard_device, self.orig_dtype)
+        if grad is None:
             self.sharded_param.grad = self._as_sharded_grad(local_grad)
         else:
-            local_tensor(self.sharded_param.grad).add_(local_grad)
+            local_tensor(grad).add_(local_grad)
         # Autograd never accumulates into the sharded parameter, so hooks registered
         # with register_post_accumulate_grad_hook (an optimizer step in backward)
-        # run here, once its gradient is complete.
+        # run here, once its gradient is complete (on the host: not copied above).
         if hooks:
             for hook in list(hooks.values()):
                 hook(self.sharded_param)
-        return copying
+        return None
 
     def __repr__(self) -> str:
         return f"FSDPParam({self.fqn}, size={tuple(self.orig_size)})"

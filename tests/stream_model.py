@@ -35,6 +35,10 @@ recorded after them says, and ``InFlight.wait`` makes the current stream wait
 on it, as on CUDA. (gloo itself has finished them when they return: the model
 orders by the events and waits, never by that.)
 
+Host memory: ``pinned_empty`` and ``pin`` (CPU offload) are counted and
+faked with plain CPU memory, as are ``copy_(..., non_blocking=True)`` (copies
+the host does not wait for) and ``event.synchronize()`` (the host waits).
+
 Negative control: ``waits=False`` makes every wait a no-op; the same training
 must then report violations.
 """
@@ -148,6 +152,7 @@ class StreamModel(TorchDispatchMode):
         self.host_clock: Clock = {}  # what the host has synchronized with
         self.host_syncs = 0  # event.synchronize() calls: the host blocked
         self.pinned = 0  # pinned_empty() calls
+        self.non_blocking_copies = 0  # copy_(..., non_blocking=True): the host does not wait
         self._pinned_by_pin: list[torch.Tensor] = []  # pin()'s copies
 
     # -- device ops (the engine's seam) ------------------------------------
@@ -350,6 +355,9 @@ class StreamModel(TorchDispatchMode):
                 self._access(tensor, write, op, index, tick)
         if func.namespace == "c10d":
             self.collectives.append((op, dict(self.clocks[index])))
+        if func is torch.ops.aten.copy_.default:
+            non_blocking = kwargs.get("non_blocking", len(args) > 2 and args[2])
+            self.non_blocking_copies += bool(non_blocking)
         out = func(*args, **kwargs)
         for tensor in _fresh_outputs(func, out):
             self._allocated(tensor, op, index, tick)

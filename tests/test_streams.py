@@ -44,6 +44,7 @@ SCENARIOS = [
     "exception, reset_iter_state",
     "unshard(async_op=True)",
     "CPU offload",
+    "CPU offload, accumulation",
     "HSDP",
     "HSDP, accumulation without all-reduce",
     "extension",
@@ -70,6 +71,7 @@ class Run:
         # and how many collectives had run when the step started.
         self.backward_points: list[tuple[tuple[int, int], int]] = []
         self.step_starts: list[int] = []
+        self.params = 0  # of the models trained
 
     @property
     def optimizer_stream(self) -> Any:
@@ -88,7 +90,7 @@ def _shard(name: str) -> nn.Module:
         kwargs["mp_policy"] = fsdp2.MixedPrecisionPolicy(
             param_dtype=torch.bfloat16, reduce_dtype=torch.float32
         )
-    elif name == "CPU offload":
+    elif name.startswith("CPU offload"):
         kwargs["offload_policy"] = fsdp2.CPUOffloadPolicy()
     elif name.startswith("HSDP"):
         kwargs["mesh"] = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
@@ -158,14 +160,15 @@ def _backward(
     world_size: int,
 ) -> None:
     inputs, targets = _batch(name, step, rank, world_size)
-    if name.startswith("accumulation") or name.endswith("without all-reduce"):
+    if "accumulation" in name:
         half = inputs.size(0) // 2
         if name == "accumulation without sync":
             model.set_requires_gradient_sync(False)
         elif name == "accumulation without resharding":
             model.set_reshard_after_backward(False)
-        else:
+        elif name.endswith("without all-reduce"):
             model.set_requires_all_reduce(False)
+        # Otherwise both backwards reduce: the second adds to the sharded grads.
         mean_loss(model, inputs[:half], targets[:half]).backward()
         model.set_requires_gradient_sync(True)
         model.set_reshard_after_backward(True)
@@ -219,6 +222,7 @@ def _train(name: str, streams: StreamModel, rank: int, world_size: int) -> Run:
         streams.plug_into(model)
         _configure(name, model, run)
         models = [model]
+    run.params = sum(len(list(m.parameters())) for m in models)
     if name == "exception, reset_iter_state":
         # Raises in backward of the second step, between two reduce-scatters.
         def fail_once(module: nn.Module, grad_input: Any, grad_output: Any) -> None:
@@ -309,11 +313,14 @@ def _scenario(rank: int, world_size: int, name: str) -> None:
         assert streams.peak_alive.get("_chunk_cat", 0) == queue, streams.peak_alive
     # The collectives ran on comm streams, not on the compute stream.
     assert sum(n for s, n in streams.ops_by_stream.items() if s != "current") > 0
-    if name == "CPU offload":
-        # Grads copied to pinned host memory without blocking; one host sync per
-        # backward, not one per parameter.
-        assert streams.pinned > 0, streams.pinned
-        assert streams.host_syncs == STEPS, streams.host_syncs
+    if name.startswith("CPU offload"):
+        # Every reduced grad reaches the host through pinned memory by a copy that
+        # does not block the host (added to the grad it accumulates into after
+        # the sync), so none by a blocking copy; one host sync per backward.
+        backwards = STEPS * (2 if name.endswith("accumulation") else 1)
+        copies = (streams.pinned, streams.non_blocking_copies)
+        assert copies == (run.params * backwards,) * 2, (copies, run.params, backwards)
+        assert streams.host_syncs == backwards, streams.host_syncs
     else:
         assert streams.host_syncs == 0, streams.host_syncs
     if name == "no forward prefetch":
