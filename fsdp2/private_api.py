@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch.autograd import Variable
 from torch.distributed._composable.contract import REGISTRY_KEY, RegistryItem
@@ -33,6 +34,7 @@ __all__ = [
     "mark_composable_api",
     "functorch_transforms_active",
     "outside_functorch",
+    "premul_sum",
     "queue_backward_callback",
     "shards_tensor",
     "strided_shard",
@@ -65,6 +67,16 @@ def mark_composable_api(module: torch.nn.Module, api_name: str) -> None:
     """
     registry = module.__dict__.setdefault(REGISTRY_KEY, {})
     registry.setdefault(api_name, RegistryItem())
+
+
+def premul_sum(factor: float) -> dist.ReduceOp:
+    """NCCL's reduction that multiplies every rank's input by ``factor`` and sums.
+
+    Why private: ``ReduceOp.PREMUL_SUM`` is public but carries no factor; only
+    ``dist._make_nccl_premul_sum`` attaches one (torch's fully_shard reduces
+    with it when a gradient divide factor is set).
+    """
+    return dist._make_nccl_premul_sum(factor)
 
 
 def in_backward() -> bool:
