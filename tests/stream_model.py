@@ -35,9 +35,10 @@ recorded after them says, and ``InFlight.wait`` makes the current stream wait
 on it, as on CUDA. (gloo itself has finished them when they return: the model
 orders by the events and waits, never by that.)
 
-Host memory: ``pinned_empty`` and ``pin`` (CPU offload) are counted and
-faked with plain CPU memory, as are ``copy_(..., non_blocking=True)`` (copies
-the host does not wait for) and ``event.synchronize()`` (the host waits).
+Host memory: ``pinned_empty`` and ``pin`` (CPU offload) are faked with plain
+CPU memory and counted, as are ``copy_(..., non_blocking=True)`` (copies the
+host does not wait for; recorded as the op ``copy_(non_blocking)``) and
+``event.synchronize()`` (the host waits).
 
 Negative control: ``waits=False`` makes every wait a no-op; the same training
 must then report violations.
@@ -350,14 +351,16 @@ class StreamModel(TorchDispatchMode):
         tick = self.clocks[index][index]
         self.ops_by_stream[stream.name] = self.ops_by_stream.get(stream.name, 0) + 1
         op = str(func.overloadpacket.__name__)
+        if func is torch.ops.aten.copy_.default and kwargs.get(
+            "non_blocking", len(args) > 2 and args[2]
+        ):
+            op = "copy_(non_blocking)"  # between host and device, the host does not wait
+            self.non_blocking_copies += 1
         if not func.is_view:  # a view reads no bytes
             for tensor, write in _arguments(func, args, kwargs):
                 self._access(tensor, write, op, index, tick)
         if func.namespace == "c10d":
             self.collectives.append((op, dict(self.clocks[index])))
-        if func is torch.ops.aten.copy_.default:
-            non_blocking = kwargs.get("non_blocking", len(args) > 2 and args[2])
-            self.non_blocking_copies += bool(non_blocking)
         out = func(*args, **kwargs)
         for tensor in _fresh_outputs(func, out):
             self._allocated(tensor, op, index, tick)
