@@ -72,9 +72,9 @@ def mark_composable_api(module: torch.nn.Module, api_name: str) -> None:
 def premul_sum(factor: float) -> dist.ReduceOp:
     """NCCL's reduction that multiplies every rank's input by ``factor`` and sums.
 
-    Why private: ``ReduceOp.PREMUL_SUM`` is public but carries no factor; only
-    ``dist._make_nccl_premul_sum`` attaches one (torch's fully_shard reduces
-    with it when a gradient divide factor is set).
+    Why private: no documented API builds a ``PREMUL_SUM`` op with its factor;
+    ``dist._make_nccl_premul_sum`` does (torch's fully_shard reduces with the
+    same op when a gradient divide factor is set).
     """
     return dist._make_nccl_premul_sum(factor)
 

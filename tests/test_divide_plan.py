@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import fsdp2
 import fsdp2.param_group
-from fsdp2.collectives import DividePlan, divide_plan
+from fsdp2.collectives import DividePlan, backend_for, divide_plan
 
 SUM, AVG = dist.ReduceOp.SUM, dist.ReduceOp.AVG
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -111,6 +111,24 @@ def test_other_backends_sum_and_divide_as_before(backend: str) -> None:
         )
         plan = divide_plan(backend, dtype, shard, replicate, factor, force_sum)
         assert _plan(plan) == expected, (dtype, shard, replicate, factor, force_sum)
+
+
+@pytest.mark.parametrize(
+    ("backend", "device", "expected"),
+    [
+        ("nccl", "cuda", "nccl"),
+        ("cpu:gloo,cuda:nccl", "cuda", "nccl"),
+        ("cpu:gloo,cuda:nccl", "cpu", "gloo"),
+        ("gloo", "cpu", "gloo"),
+    ],
+)
+def test_backend_for_the_device(
+    monkeypatch: pytest.MonkeyPatch, backend: str, device: str, expected: str
+) -> None:
+    """The backend of the group's collectives on the device, also when the
+    group has one backend per device type (``init_process_group()`` on CUDA)."""
+    monkeypatch.setattr(dist, "get_backend", lambda group: backend)
+    assert backend_for(None, torch.device(device)) == expected  # type: ignore[arg-type]
 
 
 class RecordingReduceScatter(fsdp2.ReduceScatter):
