@@ -12,6 +12,9 @@ Layouts (W = shard world size, see [Note: the padded layout] in param.py):
 - replicated parameters (``min_numel_to_shard``) are not all-gathered; their
   gradients follow the reduce-scatter output in the same buffer and are
   all-reduced there, so the all-reduce across HSDP replicas covers both.
+
+How a reduction averages (which ops, which divisions) is ``divide_plan``'s
+choice, per backend.
 """
 
 from typing import NamedTuple
@@ -20,12 +23,95 @@ import torch
 import torch.distributed as dist
 
 from . import primitives
-from .comm import CommContext, InFlight
+from .comm import CommContext, HostCopy, InFlight
 from .custom_comm import AllGather, ReduceScatter, allocate
 from .device_ops import DeviceOps
 from .param import FSDPParam
 from .primitives import Waitable
-from .private_api import chunk_cat_, profiled
+from .private_api import chunk_cat_, premul_sum, profiled
+
+ReduceOp = dist.ReduceOp | dist.ReduceOp.RedOpType
+
+
+class DividePlan(NamedTuple):
+    """Where a gradient reduction divides: before, inside (the collectives'
+    ops) or after its collectives."""
+
+    pre_divisor: float | None  # of the reduce-scatter input (and replicated grads)
+    # Of the reduce-scatter and of the replicated grads' all-reduce over the shard group.
+    reduce_scatter_op: ReduceOp
+    all_reduce_op: ReduceOp  # HSDP: across replicas
+    post_divisor: float | None  # of the output, after the last collective
+
+
+def divide_plan(
+    backend: str,
+    reduce_dtype: torch.dtype,
+    shard_world_size: int,
+    replicate_world_size: int = 1,
+    factor: float | None = None,
+    force_sum: bool = False,
+) -> DividePlan:
+    """How a group's gradients are averaged over its ``shard_world_size *
+    replicate_world_size`` ranks, or divided by ``factor``
+    (``set_gradient_divide_factor``), on ``backend``: torch's fully_shard's
+    choice on NCCL, summing collectives elsewhere.
+
+    - NCCL, fp32 or bf16 (no overflow risk), unless ``force_sum``
+      (``set_force_sum_reduction_for_comms``): the collectives divide.
+      ``ReduceOp.AVG`` for both (``SUM`` over a single rank); with a factor,
+      a reduce-scatter that multiplies by ``1 / factor`` before summing
+      (``PREMUL_SUM``, ``AVG`` if the factor is the shard group's size), then
+      a summing all-reduce. A reduce-scatter over one rank does not run: its
+      input is divided by the factor instead.
+    - NCCL otherwise: sums; fp32 and bf16 divided after, other dtypes (fp16)
+      by a power of two near the divisor's square root before the sum and by
+      the rest after, so that neither the sum nor the quotients leave fp16's
+      range.
+    - Other backends (gloo has neither ``AVG`` nor ``PREMUL_SUM``): sums;
+      16-bit dtypes divided before the sum (it cannot overflow), others after.
+
+    A division by 1 is left out.
+    """
+    ranks = shard_world_size * replicate_world_size
+    divisor = float(ranks if factor is None else factor)
+    SUM, AVG = dist.ReduceOp.SUM, dist.ReduceOp.AVG
+    if backend != "nccl":
+        if reduce_dtype.itemsize < 4:
+            return DividePlan(_unless_one(divisor), SUM, SUM, None)
+        return DividePlan(None, SUM, SUM, _unless_one(divisor))
+    no_overflow_risk = reduce_dtype in (torch.float32, torch.bfloat16)
+    if no_overflow_risk and not force_sum:
+        if factor is None:
+            op = SUM if ranks == 1 else AVG
+            return DividePlan(None, op, op, None)
+        if factor == shard_world_size:
+            return DividePlan(None, AVG, SUM, None)
+        if shard_world_size == 1:
+            return DividePlan(factor, SUM, SUM, None)
+        return DividePlan(None, premul_sum(1 / factor), SUM, None)
+    if no_overflow_risk:
+        return DividePlan(None, SUM, SUM, _unless_one(divisor))
+    pre = 1
+    while divisor % pre == 0 and divisor / pre > pre:
+        pre *= 2
+    return DividePlan(_unless_one(pre), SUM, SUM, _unless_one(divisor / pre))
+
+
+def _unless_one(divisor: float) -> float | None:
+    return None if divisor == 1 else divisor
+
+
+def backend_for(group: dist.ProcessGroup, device: torch.device) -> str:
+    """The backend that runs ``group``'s collectives on ``device``: from
+    ``dist.get_backend``'s "nccl", or "cpu:gloo,cuda:nccl" for a group with
+    one backend per device type."""
+    backend = str(dist.get_backend(group))
+    for part in backend.split(","):
+        device_type, _, name = part.rpartition(":")
+        if device_type == device.type:
+            return name
+    return backend
 
 
 class AllGatherInFlight(NamedTuple):
@@ -42,7 +128,7 @@ class ReduceInFlight(NamedTuple):
     # 1D, in reduce dtype: this rank's reduce-scattered shard_numel, then the
     # replicated parameters' whole gradients.
     output: torch.Tensor
-    divisor: float  # the ranks averaged over, or set_gradient_divide_factor's
+    plan: DividePlan  # the ops of its collectives, the division left after them
     in_flight: tuple[InFlight, ...]  # the collectives of this stage
     # Accelerators, HSDP: the all-reduce across replicas, issued right after the
     # reduce-scatter (ordered after its event), waited for at the end of backward.
@@ -147,14 +233,15 @@ def reduce_scatter(
     unsharded_grads: list[torch.Tensor],
     group: dist.ProcessGroup,
     world_size: int,
-    divisor: float,
+    plan: DividePlan,
     comm: CommContext,
     group_name: str = "",
     custom: ReduceScatter | None = None,
 ) -> ReduceInFlight:
     """Packs the gradients (unsharded-shaped) rank-major and starts the
-    (summing) reduce-scatter (``custom``'s, if set); replicated parameters'
-    gradients are packed after it and all-reduced.
+    reduce-scatter (``custom``'s, if set) with ``plan``'s op, dividing the
+    input first if ``plan`` says so; replicated parameters' gradients are
+    packed after it and all-reduced with the same op.
 
     The gradients may be in the parameters' dtype: packing casts them to the
     reduce dtype, so no reduce-dtype copy of a whole gradient is made (with
@@ -172,8 +259,6 @@ def reduce_scatter(
     shard_numel = sum(p.padded_shard_numel for p, _ in sharded)
     replicated_numel = sum(g.numel() for _, g in replicated)
     device = unsharded_grads[0].device
-    # bf16/fp16: average before the sum so that it cannot overflow.
-    pre_divide = reduce_dtype.itemsize < 4
     reduce_scatter_input = allocate(custom, world_size * shard_numel, reduce_dtype, device).view(
         world_size, shard_numel
     )
@@ -191,8 +276,8 @@ def reduce_scatter(
     if nonempty:
         with profiled("reduce_scatter_copy_in", group_name):
             chunk_cat_(nonempty, world_size, out=reduce_scatter_input)
-            if pre_divide:
-                reduce_scatter_input.div_(divisor)
+            if plan.pre_divisor is not None:
+                reduce_scatter_input.div_(plan.pre_divisor)
     in_flight = []
     if sharded and world_size > 1:
         in_flight.append(
@@ -205,6 +290,7 @@ def reduce_scatter(
                     output.narrow(0, 0, shard_numel),
                     reduce_scatter_input.view(-1),
                     group,
+                    plan.reduce_scatter_op,
                     async_op,
                 ),
             )
@@ -214,22 +300,23 @@ def reduce_scatter(
     if replicated:
         tail = output.narrow(0, shard_numel, replicated_numel)
         torch.cat([g.reshape(-1) for _, g in replicated], out=tail)
-        if pre_divide:
-            tail.div_(divisor)
+        if plan.pre_divisor is not None:
+            tail.div_(plan.pre_divisor)
         if world_size > 1:
+            op = plan.reduce_scatter_op
             in_flight.append(
                 comm.issue(
                     "all_reduce",
                     group_name,
                     tail.numel() * tail.element_size(),
-                    lambda async_op: dist.all_reduce(tail, group=group, async_op=async_op),
+                    lambda async_op: dist.all_reduce(tail, op=op, group=group, async_op=async_op),
                 )
             )
     return ReduceInFlight(
         [p for p, _ in sharded + replicated],
         (reduce_scatter_input,),
         output,
-        divisor,
+        plan,
         tuple(in_flight),
     )
 
@@ -239,15 +326,16 @@ def _reduce_scatter(
     output: torch.Tensor,
     input: torch.Tensor,
     group: dist.ProcessGroup,
+    op: ReduceOp,
     async_op: bool,
 ) -> Waitable | None:
     if custom is None:
-        return primitives.reduce_scatter_single(output, input, group, async_op)
+        return primitives.reduce_scatter_single(output, input, group, async_op, op)
     return custom(
         output_tensor=output,
         input_tensor=input,
         group=group,
-        op=dist.ReduceOp.SUM,
+        op=op,
         async_op=async_op,
     )
 
@@ -260,14 +348,15 @@ def all_reduce(
     group_name: str = "",
     after: tuple[InFlight, ...] = (),
 ) -> ReduceInFlight:
-    """Starts summing a reduce-scatter's output across replicas (HSDP): a waited
-    one, or on accelerators one still in flight (``after``: its collectives)."""
-    output = reduced.output
+    """Starts reducing a reduce-scatter's output across replicas (HSDP) with
+    its plan's op: a waited one, or on accelerators one still in flight
+    (``after``: its collectives)."""
+    output, op = reduced.output, reduced.plan.all_reduce_op
     in_flight = comm.issue(
         "all_reduce",
         group_name,
         output.numel() * output.element_size(),
-        lambda async_op: dist.all_reduce(output, group=group, async_op=async_op),
+        lambda async_op: dist.all_reduce(output, op=op, group=group, async_op=async_op),
         after,
     )
     return reduced._replace(buffers=(), in_flight=(in_flight,))
@@ -284,17 +373,18 @@ def output_slots(reduced: ReduceInFlight) -> list[torch.Tensor]:
 
 @torch.no_grad()
 def average(reduced: ReduceInFlight) -> None:
-    """Divides a finished reduction's sums by the divisor (by default the ranks
-    averaged over, as DDP does); 16-bit ones were divided before the sum."""
-    if reduced.output.dtype.itemsize >= 4 and reduced.divisor != 1:
-        reduced.output.div_(reduced.divisor)
+    """Divides a finished reduction by what its plan leaves to divide after
+    the collectives (by default the mean is over the ranks, as DDP's)."""
+    if (divisor := reduced.plan.post_divisor) is not None:
+        reduced.output.div_(divisor)
 
 
 @torch.no_grad()
-def assign_sharded_grads(reduced: ReduceInFlight, ops: DeviceOps | None = None) -> bool:
-    """Accumulates an averaged reduction into the sharded grads; True if some
-    are still being copied to the host (see ``FSDPParam.accumulate_sharded_grad``)."""
-    copying = False
+def assign_sharded_grads(reduced: ReduceInFlight, ops: DeviceOps | None = None) -> list[HostCopy]:
+    """Accumulates an averaged reduction into the sharded grads; returns those
+    still being copied to the host (see ``FSDPParam.accumulate_sharded_grad``)."""
+    copies = []
     for fsdp_param, local_grad in zip(reduced.fsdp_params, output_slots(reduced), strict=True):
-        copying |= fsdp_param.accumulate_sharded_grad(local_grad, ops)
-    return copying
+        if (copy := fsdp_param.accumulate_sharded_grad(local_grad, ops)) is not None:
+            copies.append(copy)
+    return copies

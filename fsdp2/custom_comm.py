@@ -51,8 +51,10 @@ class ReduceScatter(Comm):
         op: dist.ReduceOp | dist.ReduceOp.RedOpType,
         async_op: bool = False,
     ) -> dist.Work | None:
-        """Reduces ``input_tensor`` over the ranks with ``op`` (fsdp2 passes
-        ``ReduceOp.SUM``) and leaves this rank's block in ``output_tensor``."""
+        """Reduces ``input_tensor`` over the ranks with ``op`` and leaves this
+        rank's block in ``output_tensor``. fsdp2 passes ``ReduceOp.SUM``, or on
+        NCCL ``AVG`` / ``PREMUL_SUM`` as torch's fully_shard does (see
+        ``collectives.divide_plan``)."""
 
 
 def check_comm(comm: object, method: str) -> None:

@@ -4,7 +4,7 @@ The comm context holds one (``CommContext.ops``) on accelerators and none on
 CPU, where gloo's worker threads take the place of streams. Everything in
 fsdp2 that orders work between streams goes through it: which stream is
 current, a new stream, pinned host memory for copies that do not block the
-host, and through the streams and events it returns,
+host (new buffers, and CPU-offloaded shards pinned again), and through the streams and events it returns,
 ``wait_stream``, ``wait_event``, ``record_event``, ``with stream:`` and
 ``event.synchronize()``. A test can hand the engine another object with the
 same methods (tests/stream_model.py: a model of streams on CPU ranks that
@@ -35,3 +35,8 @@ class DeviceOps:
         """Page-locked host memory: a device-to-host copy into it with
         ``non_blocking=True`` does not block the host."""
         return torch.empty(shape, dtype=dtype, pin_memory=True)
+
+    def pin(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` (on the CPU) in page-locked memory: itself if it is there
+        already, else a pinned copy."""
+        return tensor.pin_memory()

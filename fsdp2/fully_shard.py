@@ -220,6 +220,7 @@ def fully_shard(
                     shard_dim=dim,
                     # A subclass that all-gathers itself is always sharded.
                     replicated=not extends and _local_numel(param) < min_numel_to_shard,
+                    ops=state.ctx.comm.ops,
                 )
             )
         _mark_sharded(modules, named_params)

@@ -202,12 +202,20 @@ class FSDPModule:
         self.set_gradient_divide_factor(factor)
 
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
-        """Asks that collectives reduce with ``ReduceOp.SUM`` only, the scaling
-        done separately (e.g. for zero-copy NCCL). fsdp2 always does so: it sums
-        and divides itself, so this is already the case either way. Accepted
-        for code written for torch's fully_shard. Not recursive."""
+        """Makes this module's gradient collectives reduce with ``ReduceOp.SUM``
+        only, dividing before or after them instead (e.g. for NCCL's zero-copy
+        collectives, which sum only). It changes the ops on NCCL alone: there,
+        by default, fp32 and bf16 gradients are averaged by the collectives
+        (``AVG``, or ``PREMUL_SUM`` with ``set_gradient_divide_factor``), as by
+        torch's fully_shard; other backends always sum. Not recursive.
+
+        Args:
+            enable: whether to sum only. (Default: False)
+        """
         if not isinstance(enable, bool):
             raise TypeError(f"set_force_sum_reduction_for_comms takes a bool, got {enable!r}.")
+        for group in self._param_groups(recurse=False):
+            group.force_sum_reduction_for_comms = enable
 
     def set_reduce_scatter_unused_params(
         self, reduce_scatter_unused_params: bool, *, recurse: bool = True

@@ -36,6 +36,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
+from .comm import HostCopy
 from .common import MeshInfo, SpmdAxes, chunk_rows
 from .device_ops import DeviceOps
 from .extension import AllGatherExtension, uses_all_gather_extension
@@ -45,6 +46,7 @@ from .private_api import (
     dtensor_from_local_no_grad,
     dtensor_spec,
     local_tensor,
+    set_local_tensor,
     strided_shard,
 )
 from .validate import FSDP_SHARDED
@@ -130,6 +132,7 @@ class FSDPParam:
         offload_policy: OffloadPolicy,
         shard_dim: int = 0,
         replicated: bool = False,
+        ops: DeviceOps | None = None,
     ) -> None:
         self.fqn = fqn  # from the root after lazy init; from the sharded module before
         self.slots = slots
@@ -167,14 +170,11 @@ class FSDPParam:
         # Where the shard lives: the compute device, or the CPU when offloading.
         self.offload = isinstance(offload_policy, CPUOffloadPolicy)
         self.shard_device = torch.device("cpu") if self.offload else device
+        self.pin_memory = isinstance(offload_policy, CPUOffloadPolicy) and offload_policy.pin_memory
         with torch.no_grad():
             local = _shard_of(data.detach(), shard_dim, world_size, rank)
             # Meta parameters stay on meta until ``module.to_empty(device=...)``.
-            local = local if data.is_meta else local.to(self.shard_device)
-            pin = isinstance(offload_policy, CPUOffloadPolicy) and offload_policy.pin_memory
-            self.pin_memory = pin
-            if pin and device.type != "cpu":
-                local = local.pin_memory()
+            local = local if data.is_meta else self._pinned(local.to(self.shard_device), ops)
         self._local_start = start
         self.sharded_param = nn.Parameter(
             self._as_dtensor(local), requires_grad=param.requires_grad
@@ -212,7 +212,7 @@ class FSDPParam:
         # Dtype of the reduce-scatter and of gradients accumulated without sync.
         self.reduce_dtype = self.mp_policy.reduce_dtype or self.param_dtype
 
-    def reset_sharded_param(self) -> None:
+    def reset_sharded_param(self, ops: DeviceOps | None = None) -> None:
         """Adopts the parameter the module now holds, if it is not the sharded
         one: what ``nn.Module._apply`` left (``model.to(torch.float64)``,
         changed in place by ``swap_tensors``, or a new one), what
@@ -221,8 +221,10 @@ class FSDPParam:
         meta-device model: ``setattr(module, name, new_param)``). A DTensor
         sharded like this parameter is adopted as it is, the very object, so
         an optimizer built on ``model.parameters()`` steps it; the dtype the
-        unsharded parameter and the gradients follow is the new one. Called
-        with the group sharded."""
+        unsharded parameter and the gradients follow is the new one. With CPU
+        offload the new shard must be on the CPU (or still on meta) and is
+        pinned again (``ops``: the comm context's device ops). Called with the
+        group sharded."""
         slot = self.slots[0]
         param = slot.module._parameters[slot.name]
         if param is not self.sharded_param:
@@ -237,6 +239,27 @@ class FSDPParam:
             self._unsharded_padded = None
             self.unsharded_param = None
             self._grad_spec = None
+        local = local_tensor(param)
+        if self.offload and not local.is_meta:
+            self._check_offloaded(local)
+            if (pinned := self._pinned(local, ops)) is not local:
+                set_local_tensor(param, pinned)
+
+    def _pinned(self, local: torch.Tensor, ops: DeviceOps | None) -> torch.Tensor:
+        """``local``, a CPU shard, in page-locked memory if CPU offload asks for
+        it on an accelerator (``ops``), so that copies between it and the
+        device need not block the host."""
+        return ops.pin(local) if self.pin_memory and ops is not None else local
+
+    def _check_offloaded(self, local: torch.Tensor) -> None:
+        if local.device.type != "cpu":
+            raise ValueError(
+                f"fsdp2: {self.fqn!r} is on {local.device}, but with CPUOffloadPolicy the "
+                "sharded parameters (and their gradients and optimizer state) stay on the "
+                "CPU; fsdp2 copies them to the accelerator for each forward and backward. "
+                'Materialize the model with model.to_empty(device="cpu") (or load CPU '
+                "tensors) after fully_shard, and do not move it to the accelerator."
+            )
 
     def check_not_replaced(self) -> None:
         """Raises if the module no longer holds the sharded parameter: replaced
@@ -516,36 +539,34 @@ class FSDPParam:
 
     def accumulate_sharded_grad(
         self, local_grad: torch.Tensor, ops: DeviceOps | None = None
-    ) -> bool:
-        """Adds this rank's reduced rows (unpadded, shaped like the local shard).
-        Returns True if they are still being copied to pinned host memory
-        (``CPUOffloadPolicy`` on an accelerator): the host must wait for the
-        current stream before reading them (once, at the end of backward)."""
+    ) -> HostCopy | None:
+        """Adds this rank's reduced rows (unpadded, shaped like the local shard)
+        to the sharded grad. With ``CPUOffloadPolicy`` on an accelerator they
+        are copied to pinned host memory without blocking the host: returns
+        the copy, which is the grad or is added to it once the host has waited
+        for the current stream (``CommContext.wait_grads_on_host``, once at
+        the end of backward)."""
+        grad = self.sharded_param.grad
         hooks = self.sharded_param._post_accumulate_grad_hooks
-        copying = (
-            self.offload
-            and self.pin_memory
-            and ops is not None
-            and self.sharded_param.grad is None  # adding to one needs the host
-            and not hooks  # they read the gradient now
-        )
-        if copying and ops is not None:
+        if self.offload and self.pin_memory and ops is not None and not hooks:
             host = ops.pinned_empty(local_grad.shape, self.orig_dtype)
             host.copy_(local_grad, non_blocking=True)
-            local_grad = host
-        else:
-            local_grad = local_grad.to(self.shard_device, self.orig_dtype)
-        if self.sharded_param.grad is None:
+            if grad is not None:
+                return HostCopy(host, local_tensor(grad))
+            self.sharded_param.grad = self._as_sharded_grad(host)
+            return HostCopy(host, None)
+        local_grad = local_grad.to(self.shard_device, self.orig_dtype)
+        if grad is None:
             self.sharded_param.grad = self._as_sharded_grad(local_grad)
         else:
-            local_tensor(self.sharded_param.grad).add_(local_grad)
+            local_tensor(grad).add_(local_grad)
         # Autograd never accumulates into the sharded parameter, so hooks registered
         # with register_post_accumulate_grad_hook (an optimizer step in backward)
-        # run here, once its gradient is complete.
+        # run here, once its gradient is complete (on the host: not copied above).
         if hooks:
             for hook in list(hooks.values()):
                 hook(self.sharded_param)
-        return copying
+        return None
 
     def __repr__(self) -> str:
         return f"FSDPParam({self.fqn}, size={tuple(self.orig_size)})"

@@ -36,7 +36,9 @@ from .collectives import (
     all_gather,
     all_gather_dtype,
     as_buffer_dtype,
+    backend_for,
     copy_out,
+    divide_plan,
     output_slots,
     reduce_scatter,
 )
@@ -84,6 +86,7 @@ class FSDPParamGroup:
         self.unshard_in_backward = True
         self.reduce_scatter_unused_params = False
         self.gradient_divide_factor: float | None = None  # None: the ranks averaged over
+        self.force_sum_reduction_for_comms = False
         self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
         self.all_reduce_hook_stream: torch.Stream | None = None
         self.all_gather_comm: AllGather | None = None  # None: all_gather_single
@@ -238,7 +241,7 @@ class FSDPParamGroup:
         """After ``nn.Module._apply`` changed the sharded parameters (see
         ``FSDPParam.reset_sharded_param``)."""
         for fsdp_param in self.fsdp_params:
-            fsdp_param.reset_sharded_param()
+            fsdp_param.reset_sharded_param(self.ctx.comm.ops)
 
     def _to_sharded(self) -> None:
         for fsdp_param in self.fsdp_params:
@@ -369,15 +372,20 @@ class FSDPParamGroup:
                     )
                     check.record("reduce-scatter", self, in_training=True)
                 logger.debug("%s: reduce-scatter issued for %d grads", self.name, len(grads))
-                divisor = self.gradient_divide_factor or (
-                    info.shard_world_size * info.replicate_world_size
+                plan = divide_plan(
+                    backend_for(self.reduce_scatter_group, self.ctx.device),
+                    reduced[0].reduce_dtype,
+                    info.shard_world_size,
+                    info.replicate_world_size,
+                    self.gradient_divide_factor,
+                    self.force_sum_reduction_for_comms,
                 )
                 reduction = reduce_scatter(
                     reduced,
                     grads,
                     self.reduce_scatter_group,
                     info.shard_world_size,
-                    divisor,
+                    plan,
                     self.ctx.comm,
                     self.name,
                     self.reduce_scatter_comm,

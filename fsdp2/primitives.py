@@ -91,11 +91,16 @@ def all_gather_single(
 
 
 def reduce_scatter_single(
-    output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: dist.ProcessGroup,
+    async_op: bool = False,
+    op: dist.ReduceOp | dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
 ) -> Waitable | None:
-    """Sums ``input`` (1D, rank-major) over the ranks and leaves this rank's
-    block in ``output``, as ``dist.reduce_scatter_single`` with ``ReduceOp.SUM``."""
-    if dist.reduce_scatter_single is _TORCH_REDUCE_SCATTER and _own_path(group, input):
+    """Reduces ``input`` (1D, rank-major) over the ranks with ``op`` and leaves
+    this rank's block in ``output``, as ``dist.reduce_scatter_single``."""
+    own = op == dist.ReduceOp.SUM and _own_path(group, input)  # gloo's: a sum
+    if dist.reduce_scatter_single is _TORCH_REDUCE_SCATTER and own:
         return run_as_collective(
             lambda: _finish(_gloo_reduce_scatter(output, input, group), async_op),
             "reduce_scatter",
@@ -103,7 +108,7 @@ def reduce_scatter_single(
             input,
             group,
         )
-    return dist.reduce_scatter_single(output, input, group=group, async_op=async_op)
+    return dist.reduce_scatter_single(output, input, op=op, group=group, async_op=async_op)
 
 
 def _own_path(group: dist.ProcessGroup, tensor: torch.Tensor) -> bool:

@@ -33,10 +33,12 @@ __all__ = [
     "dtensor_spec",
     "in_backward",
     "local_tensor",
+    "set_local_tensor",
     "profiled",
     "mark_composable_api",
     "functorch_transforms_active",
     "outside_functorch",
+    "premul_sum",
     "queue_backward_callback",
     "shards_tensor",
     "strided_shard",
@@ -69,6 +71,16 @@ def mark_composable_api(module: torch.nn.Module, api_name: str) -> None:
     """
     registry = module.__dict__.setdefault(REGISTRY_KEY, {})
     registry.setdefault(api_name, RegistryItem())
+
+
+def premul_sum(factor: float) -> dist.ReduceOp:
+    """NCCL's reduction that multiplies every rank's input by ``factor`` and sums.
+
+    Why private: no documented API builds a ``PREMUL_SUM`` op with its factor;
+    ``dist._make_nccl_premul_sum`` does (torch's fully_shard reduces with the
+    same op when a gradient divide factor is set).
+    """
+    return dist._make_nccl_premul_sum(factor)
 
 
 def in_backward() -> bool:
@@ -110,6 +122,19 @@ def local_tensor(dtensor: torch.Tensor) -> torch.Tensor:
     if not isinstance(dtensor, DTensor):
         raise AssertionError(f"expected a DTensor, got a {type(dtensor).__name__}")
     return dtensor._local_tensor
+
+
+def set_local_tensor(dtensor: torch.Tensor, local: torch.Tensor) -> None:
+    """Makes ``dtensor`` hold ``local`` (same shape, dtype and strides) instead
+    of its tensor, keeping the object.
+
+    Why private: a DTensor has no public way to change the tensor it wraps,
+    and a new DTensor would be a new object: an optimizer already built on the
+    parameter would step the old one (CPU offload pins a shard again in place).
+    """
+    if not isinstance(dtensor, DTensor):
+        raise AssertionError(f"expected a DTensor, got a {type(dtensor).__name__}")
+    dtensor._local_tensor = local
 
 
 def functorch_transforms_active() -> bool:

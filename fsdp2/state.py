@@ -221,15 +221,13 @@ class RootContext:
                     # The reduce-scatter input is done with: only the output is kept.
                     self.hooks_in_flight.append((reduced._replace(buffers=()), event))
                     return
-            if assign_sharded_grads(reduced, self.comm.ops):
-                self.comm.grads_to_host()
+            self.comm.grads_to_host(assign_sharded_grads(reduced, self.comm.ops))
 
     def finish_hooks(self) -> None:
         while self.hooks_in_flight:
             reduced, event = self.hooks_in_flight.popleft()
             self.comm.wait_event(event)
-            if assign_sharded_grads(reduced, self.comm.ops):
-                self.comm.grads_to_host()
+            self.comm.grads_to_host(assign_sharded_grads(reduced, self.comm.ops))
 
     def start_forward(self) -> None:
         """A new iteration's forward begins (the outermost forward pre-hook).

@@ -70,8 +70,13 @@ def install_from_environment() -> None:
         return
 
     def reduce_scatter_single(
-        output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False
+        output: torch.Tensor,
+        input: torch.Tensor,
+        group: dist.ProcessGroup,
+        async_op: bool = False,
+        op: dist.ReduceOp | dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
     ) -> _Done | None:
+        assert op == dist.ReduceOp.SUM, op  # gloo: fsdp2 sums and divides
         world_size, rank = group.size(), group.rank()
         gathered = input.new_empty(world_size * input.numel())
         dist.all_gather_single(gathered, input.reshape(-1), group=group)

@@ -35,6 +35,11 @@ recorded after them says, and ``InFlight.wait`` makes the current stream wait
 on it, as on CUDA. (gloo itself has finished them when they return: the model
 orders by the events and waits, never by that.)
 
+Host memory: ``pinned_empty`` and ``pin`` (CPU offload) are faked with plain
+CPU memory and counted, as are ``copy_(..., non_blocking=True)`` (copies the
+host does not wait for; recorded as the op ``copy_(non_blocking)``) and
+``event.synchronize()`` (the host waits).
+
 Negative control: ``waits=False`` makes every wait a no-op; the same training
 must then report violations.
 """
@@ -148,6 +153,8 @@ class StreamModel(TorchDispatchMode):
         self.host_clock: Clock = {}  # what the host has synchronized with
         self.host_syncs = 0  # event.synchronize() calls: the host blocked
         self.pinned = 0  # pinned_empty() calls
+        self.non_blocking_copies = 0  # copy_(..., non_blocking=True): the host does not wait
+        self._pinned_by_pin: list[torch.Tensor] = []  # pin()'s copies
 
     # -- device ops (the engine's seam) ------------------------------------
 
@@ -169,6 +176,20 @@ class StreamModel(TorchDispatchMode):
         """Host memory for non-blocking copies (plain CPU memory here), counted."""
         self.pinned += 1
         return torch.empty(shape, dtype=dtype)
+
+    def pin(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Page-locked memory, faked: a copy of ``tensor`` that ``is_pinned``
+        knows (``tensor`` itself if it is one)."""
+        if self.is_pinned(tensor):
+            return tensor
+        pinned = tensor.clone()
+        self._pinned_by_pin.append(pinned)
+        return pinned
+
+    def is_pinned(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor``'s storage came from ``pin``."""
+        storage = tensor.untyped_storage()
+        return any(p.untyped_storage() is storage for p in self._pinned_by_pin)
 
     def merge(self, index: int, clock: Clock) -> None:
         if not self.waits:
@@ -330,6 +351,11 @@ class StreamModel(TorchDispatchMode):
         tick = self.clocks[index][index]
         self.ops_by_stream[stream.name] = self.ops_by_stream.get(stream.name, 0) + 1
         op = str(func.overloadpacket.__name__)
+        if func is torch.ops.aten.copy_.default and kwargs.get(
+            "non_blocking", len(args) > 2 and args[2]
+        ):
+            op = "copy_(non_blocking)"  # between host and device, the host does not wait
+            self.non_blocking_copies += 1
         if not func.is_view:  # a view reads no bytes
             for tensor, write in _arguments(func, args, kwargs):
                 self._access(tensor, write, op, index, tick)

@@ -62,7 +62,7 @@ def _divide_factor(rank: int, world_size: int) -> None:
     model = shard_model(build_model("mlp"))
     for module in _fsdp_modules(model):
         module.set_gradient_divide_factor(1.0)
-        module.set_force_sum_reduction_for_comms(True)  # fsdp2 always sums: no change
+        module.set_force_sum_reduction_for_comms(True)  # gloo always sums: no change
     optims = [make_optimizer(m) for m in (ref, model)]
     for step in range(3):
         inputs, targets = global_batch("mlp", step)

@@ -25,7 +25,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from fsdp2 import MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from fsdp2.collectives import all_gather, assign_sharded_grads, average, copy_out, reduce_scatter
+from fsdp2.collectives import (
+    all_gather,
+    assign_sharded_grads,
+    average,
+    copy_out,
+    divide_plan,
+    reduce_scatter,
+)
 from fsdp2.comm import InFlight
 from fsdp2.common import MeshInfo, chunk_rows
 from fsdp2.param import FSDPParam
@@ -301,9 +308,10 @@ def test_reduce_scatter_gives_each_rank_its_chunk_of_the_mean(
         random_tensors(shape_list, dtype, seed + 1 + rank, integer_valued=True)
         for rank in range(world_size)
     ]
+    plan = divide_plan("gloo", dtype, world_size)  # a mean over the ranks
     with recording("reduce_scatter_single") as calls:
         results = [
-            reduce_scatter(params, grads, mesh.get_group(0), world_size, world_size, SyncComm())  # type: ignore[arg-type]
+            reduce_scatter(params, grads, mesh.get_group(0), world_size, plan, SyncComm())  # type: ignore[arg-type]
             for params, grads in zip(per_rank, grads_per_rank, strict=True)
         ]
     if world_size == 1:  # a world of one rank exchanges nothing: the input is the output
@@ -352,8 +360,9 @@ def test_reduce_scatter_with_zero_row_gradient(meshes: dict[int, DeviceMesh]) ->
     shapes_ = [(0, 3), (5, 3)]
     params = build_params(random_tensors(shapes_, torch.float32, 0), mesh, 0)
     grads = random_tensors(shapes_, torch.float32, 1)
+    plan = divide_plan("gloo", torch.float32, 4)
     with recording("reduce_scatter_single") as calls:
-        result = reduce_scatter(params, grads, mesh.get_group(0), 4, 4, SyncComm())  # type: ignore[arg-type]
+        result = reduce_scatter(params, grads, mesh.get_group(0), 4, plan, SyncComm())  # type: ignore[arg-type]
     output, input, _ = calls[0]
     output.copy_(input.view(4, -1)[0] * 4)  # every rank sent the same gradients
     average(result)
@@ -416,8 +425,9 @@ def test_replicated_gradients_follow_the_sharded_ones_in_a_world_of_one(
     ]
     assert params[1].sharded_param.placements == (Replicate(),)
     grads = random_tensors([(5, 3), (4,)], torch.float32, 1)
+    plan = divide_plan("gloo", torch.float32, 1)
     with recording("reduce_scatter_single") as calls:
-        result = reduce_scatter(params, grads, mesh.get_group(0), 1, 1, SyncComm())  # type: ignore[arg-type]
+        result = reduce_scatter(params, grads, mesh.get_group(0), 1, plan, SyncComm())  # type: ignore[arg-type]
     assert calls == []
     assert result.output.numel() == 5 * 3 + 4
     average(result)
