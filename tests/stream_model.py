@@ -250,6 +250,12 @@ class StreamModel(TorchDispatchMode):
             return
         key, start, end = span
         buffer = self.buffers.get(key)
+        if buffer is not None and _moved(buffer, key):
+            # Its storage was resized to nothing (unseen) and the bytes went to
+            # this one, whose allocation (a resize too) was not seen either.
+            del self.buffers[key]
+            self._forget(buffer)
+            buffer = None
         if buffer is None:
             buffer = self.buffers[key] = Buffer(stream)
         new = Access(stream, tick, start, end, write, op)
@@ -365,6 +371,15 @@ class StreamModel(TorchDispatchMode):
         for tensor in _fresh_outputs(func, out):
             self._allocated(tensor, op, index, tick)
         return out
+
+
+def _moved(buffer: Buffer, key: int) -> bool:
+    """Whether ``buffer``'s storage (if its allocation was seen) no longer
+    holds the bytes at ``key``."""
+    if buffer.storage is None:
+        return False
+    storage = buffer.storage()
+    return storage is None or storage.nbytes() == 0 or storage.data_ptr() != key
 
 
 def _byte_span(tensor: torch.Tensor) -> tuple[int, int, int] | None:
