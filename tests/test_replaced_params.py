@@ -8,10 +8,12 @@ object an optimizer holds) raises an error naming the parameter and the fix."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from dist import labelled, run_ranks
 from error_model import EXACT, REF_TOL
@@ -25,7 +27,7 @@ from models import (
     mean_loss,
     shard_model,
 )
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard  # the reference only
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.testing import assert_close
@@ -43,94 +45,42 @@ def _new_values(kind: str) -> dict[str, torch.Tensor]:
     return {n: torch.randn(p.shape, generator=gen) * 0.1 for n, p in model.named_parameters()}
 
 
-def _replace(model: nn.Module, values: dict[str, torch.Tensor]) -> None:
-    """Assigns a new Parameter, a DTensor sharded like the current one, to
-    every parameter's module attribute, as transformers' loader does. Tied
+def _replace(model: nn.Module, new_value: Callable[[str, DTensor], DTensor]) -> None:
+    """Assigns a new Parameter holding ``new_value(name, param)`` to every
+    parameter's module attribute, as transformers' loader does. Tied
     parameters get one new Parameter on both modules."""
     current = dict(model.named_parameters(remove_duplicate=False))
     new: dict[int, nn.Parameter] = {}
     for name, param in current.items():
         if id(param) not in new:
-            value = distribute_tensor(values[name], param.device_mesh, param.placements)
-            new[id(param)] = nn.Parameter(value)
+            new[id(param)] = nn.Parameter(new_value(name, param))
         module_name, _, attr = name.rpartition(".")
         setattr(model.get_submodule(module_name), attr, new[id(param)])
 
 
-def _adopted(rank: int, world_size: int) -> None:
-    mesh = init_device_mesh("cpu", (world_size,))
-    for kind in ("transformer_untied", "transformer_tied"):
-        with labelled(kind):
-            values = _new_values(kind)
-            ref = build_model(kind)
-            ref.load_state_dict(values, strict=False)
-            if kind == "transformer_tied":
-                assert ref.output.weight is ref.tok_embeddings.weight
-            model = shard_model(build_model(kind), mesh=mesh)
-            torch_model = shard_model(build_model(kind), torch_fully_shard, mesh=mesh)
-            for m in (model, torch_model):
-                _replace(m, values)
-            # Built before the first forward: adoption keeps the assigned objects.
-            optims = [make_optimizer(m) for m in (ref, model, torch_model)]
-            for step in range(STEPS):
-                batch = global_batch(kind, step)
-                local = local_batch(batch, rank, world_size)
-                ref_loss = mean_loss(ref, *batch)
-                ref_loss.backward()
-                loss = mean_loss(model, *local)
-                loss.backward()
-                torch_loss = mean_loss(torch_model, *local)
-                torch_loss.backward()
-                assert_close(global_mean(loss, world_size), ref_loss.detach(), **REF_TOL)
-                assert_close(loss.detach(), torch_loss.detach(), **EXACT, msg=f"step {step}")
-                for optim in optims:
-                    optim.step()
-                    optim.zero_grad()
-            if kind == "transformer_tied":
-                assert model.output.weight is model.tok_embeddings.weight, "untied by adoption"
-            torch_params = dict(torch_model.named_parameters())
-            for name, param in model.named_parameters():
-                assert isinstance(param, DTensor), f"{name} is a {type(param).__name__}"
-                assert_close(param.to_local(), torch_params[name].to_local(), **EXACT, msg=name)
-            for name, value in full_params(model).items():
-                assert_close(value, ref.get_parameter(name), **REF_TOL, msg=name)
+def _sharded(values: dict[str, torch.Tensor]) -> Callable[[str, DTensor], DTensor]:
+    """``values[name]`` sharded like the parameter."""
+    return lambda name, param: distribute_tensor(values[name], param.device_mesh, param.placements)
 
 
-def _meta_then_materialized(rank: int, world_size: int) -> None:
-    """Meta DTensors assigned after fully_shard, then ``to_empty`` and a load:
-    adopted as materialized, trained as torch's and the reference."""
-    mesh = init_device_mesh("cpu", (world_size,))
-    kind = "transformer_tied"
-    values = _new_values(kind)
+def _meta(name: str, param: DTensor) -> DTensor:
+    """A meta DTensor sharded like ``param``."""
+    local = torch.empty(param.to_local().shape, device="meta")
+    return DTensor.from_local(
+        local, param.device_mesh, param.placements, shape=param.shape, stride=param.stride()
+    )
+
+
+def _train_like_torch_and_reference(
+    kind: str, values: dict[str, torch.Tensor], model: nn.Module, torch_model: nn.Module
+) -> None:
+    """``STEPS`` steps of ``model`` (fsdp2), ``torch_model`` (torch's fully_shard)
+    and the unsharded reference holding ``values``: losses equal torch's bit
+    for bit and the reference's, so are the parameters after; ties kept."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
     ref = build_model(kind)
     ref.load_state_dict(values, strict=False)
-    models = [shard_model(build_model(kind), mesh=mesh)]
-    models.append(shard_model(build_model(kind), torch_fully_shard, mesh=mesh))
-    for model in models:
-        current = dict(model.named_parameters(remove_duplicate=False))
-        new: dict[int, nn.Parameter] = {}
-        for name, param in current.items():
-            if id(param) not in new:
-                local = torch.empty(param.to_local().shape, device="meta")
-                meta = DTensor.from_local(
-                    local,
-                    param.device_mesh,
-                    param.placements,
-                    run_check=False,
-                    shape=param.shape,
-                    stride=param.stride(),
-                )
-                new[id(param)] = nn.Parameter(meta)
-            module_name, _, attr = name.rpartition(".")
-            setattr(model.get_submodule(module_name), attr, new[id(param)])
-        model.to_empty(device="cpu")
-        sharded = {
-            name: distribute_tensor(values[name], param.device_mesh, param.placements)
-            for name, param in model.named_parameters()
-        }
-        model.load_state_dict(sharded, strict=False)
-    model, torch_model = models
-    assert model.output.weight is model.tok_embeddings.weight, "untied by adoption"
+    # Built before the first forward: adoption keeps the assigned objects.
     optims = [make_optimizer(m) for m in (ref, model, torch_model)]
     for step in range(STEPS):
         batch = global_batch(kind, step)
@@ -145,8 +95,52 @@ def _meta_then_materialized(rank: int, world_size: int) -> None:
         for optim in optims:
             optim.step()
             optim.zero_grad()
+    if kind == "transformer_tied":
+        assert ref.output.weight is ref.tok_embeddings.weight
+        assert model.output.weight is model.tok_embeddings.weight, "untied by adoption"
+    torch_params = dict(torch_model.named_parameters())
+    for name, param in model.named_parameters():
+        assert isinstance(param, DTensor), f"{name} is a {type(param).__name__}"
+        assert_close(param.to_local(), torch_params[name].to_local(), **EXACT, msg=name)
     for name, value in full_params(model).items():
         assert_close(value, ref.get_parameter(name), **REF_TOL, msg=name)
+
+
+def _both(kind: str, mesh: DeviceMesh) -> tuple[nn.Module, nn.Module]:
+    """``kind`` sharded by fsdp2 and by torch's fully_shard."""
+    return (
+        shard_model(build_model(kind), mesh=mesh),
+        shard_model(build_model(kind), torch_fully_shard, mesh=mesh),
+    )
+
+
+def _adopted(rank: int, world_size: int) -> None:
+    mesh = init_device_mesh("cpu", (world_size,))
+    for kind in ("transformer_untied", "transformer_tied"):
+        with labelled(kind):
+            values = _new_values(kind)
+            models = _both(kind, mesh)
+            for model in models:
+                _replace(model, _sharded(values))
+            _train_like_torch_and_reference(kind, values, *models)
+
+
+def _meta_then_materialized(rank: int, world_size: int) -> None:
+    """Meta DTensors assigned after fully_shard, then ``to_empty`` and a load:
+    adopted as materialized, trained as torch's and the reference."""
+    mesh = init_device_mesh("cpu", (world_size,))
+    kind = "transformer_tied"
+    values = _new_values(kind)
+    models = _both(kind, mesh)
+    for model in models:
+        _replace(model, _meta)
+        model.to_empty(device="cpu")
+        sharded = {
+            name: distribute_tensor(values[name], param.device_mesh, param.placements)
+            for name, param in model.named_parameters()
+        }
+        model.load_state_dict(sharded, strict=False)
+    _train_like_torch_and_reference(kind, values, *models)
 
 
 def _refused(rank: int, world_size: int) -> None:
