@@ -9,8 +9,8 @@ from .fully_shard import fully_shard
 from .mesh import DataParallelMeshDims, ShardPlacementResult
 from .module import FSDPModule, UnshardHandle, register_fsdp_forward_method, share_comm_ctx
 from .policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from .stats import CommStats, comm_stats
-from .summary import GroupSummary, summary
+from .stats import CommStats
+from .summary import GroupSummary, comm_stats, summary
 
 __all__ = [
     "AllGather",

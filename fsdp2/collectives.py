@@ -17,20 +17,20 @@ How a reduction averages (which ops, which divisions) is ``divide_plan``'s
 choice, per backend.
 """
 
-from typing import NamedTuple
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from . import primitives
-from .comm import CommContext, HostCopy, InFlight
+from .comm import CommContext, InFlight
 from .custom_comm import AllGather, ReduceScatter, allocate
-from .device_ops import DeviceOps
-from .param import FSDPParam
-from .primitives import Waitable
-from .private_api import chunk_cat_, premul_sum, profiled
+from .primitives import Collectives, ReduceOp, Waitable
+from .private_api import chunk_cat_, foreach_copy_, profiled
 
-ReduceOp = dist.ReduceOp | dist.ReduceOp.RedOpType
+if TYPE_CHECKING:
+    from .param import FSDPParam
 
 
 class DividePlan(NamedTuple):
@@ -89,7 +89,7 @@ def divide_plan(
             return DividePlan(None, AVG, SUM, None)
         if shard_world_size == 1:
             return DividePlan(factor, SUM, SUM, None)
-        return DividePlan(None, premul_sum(1 / factor), SUM, None)
+        return DividePlan(None, dist.ReduceOp.PREMUL_SUM(1 / factor), SUM, None)
     if no_overflow_risk:
         return DividePlan(None, SUM, SUM, _unless_one(divisor))
     pre = 1
@@ -100,18 +100,6 @@ def divide_plan(
 
 def _unless_one(divisor: float) -> float | None:
     return None if divisor == 1 else divisor
-
-
-def backend_for(group: dist.ProcessGroup, device: torch.device) -> str:
-    """The backend that runs ``group``'s collectives on ``device``: from
-    ``dist.get_backend``'s "nccl", or "cpu:gloo,cuda:nccl" for a group with
-    one backend per device type."""
-    backend = str(dist.get_backend(group))
-    for part in backend.split(","):
-        device_type, _, name = part.rpartition(":")
-        if device_type == device.type:
-            return name
-    return backend
 
 
 class AllGatherInFlight(NamedTuple):
@@ -166,7 +154,7 @@ def all_gather(
     inputs: list[torch.Tensor],
     slots: list[tuple[int, torch.dtype]],
     buffer_dtype: torch.dtype,
-    group: dist.ProcessGroup,
+    collectives: Collectives,
     rank: int,
     world_size: int,
     comm: CommContext,
@@ -193,7 +181,7 @@ def all_gather(
     for x, slot_numel in zip(inputs, slot_numels, strict=True):
         split_sizes += [x.numel(), slot_numel - x.numel()]
     # Accelerators: from pinned CPU shards (offload) the copy does not block the host.
-    torch._foreach_copy_(
+    foreach_copy_(
         all_gather_input.split_with_sizes(split_sizes)[::2], inputs, non_blocking=comm.uses_streams
     )
     if world_size == 1:  # the input is the whole output: nothing to exchange
@@ -202,8 +190,8 @@ def all_gather(
         "all_gather",
         group_name,
         all_gather_output.numel() * all_gather_output.element_size(),
-        lambda async_op: (primitives.all_gather_single if custom is None else custom)(
-            all_gather_output, all_gather_input, group=group, async_op=async_op
+        lambda async_op: _all_gather(
+            custom, all_gather_output, all_gather_input, collectives, async_op
         ),
     )
     return AllGatherInFlight(all_gather_output, in_flight)
@@ -231,7 +219,7 @@ def copy_out(result: AllGatherInFlight, outputs: list[torch.Tensor]) -> None:
 def reduce_scatter(
     fsdp_params: list[FSDPParam],
     unsharded_grads: list[torch.Tensor],
-    group: dist.ProcessGroup,
+    collectives: Collectives,
     world_size: int,
     plan: DividePlan,
     comm: CommContext,
@@ -289,7 +277,7 @@ def reduce_scatter(
                     custom,
                     output.narrow(0, 0, shard_numel),
                     reduce_scatter_input.view(-1),
-                    group,
+                    collectives,
                     plan.reduce_scatter_op,
                     async_op,
                 ),
@@ -309,7 +297,7 @@ def reduce_scatter(
                     "all_reduce",
                     group_name,
                     tail.numel() * tail.element_size(),
-                    lambda async_op: dist.all_reduce(tail, op=op, group=group, async_op=async_op),
+                    lambda async_op: collectives.all_reduce(tail, op, async_op),
                 )
             )
     return ReduceInFlight(
@@ -321,20 +309,32 @@ def reduce_scatter(
     )
 
 
+def _all_gather(
+    custom: AllGather | None,
+    output: torch.Tensor,
+    input: torch.Tensor,
+    collectives: Collectives,
+    async_op: bool,
+) -> Waitable | None:
+    if custom is None:
+        return collectives.all_gather(output, input, async_op)
+    return custom(output, input, group=collectives.process_group, async_op=async_op)
+
+
 def _reduce_scatter(
     custom: ReduceScatter | None,
     output: torch.Tensor,
     input: torch.Tensor,
-    group: dist.ProcessGroup,
+    collectives: Collectives,
     op: ReduceOp,
     async_op: bool,
 ) -> Waitable | None:
     if custom is None:
-        return primitives.reduce_scatter_single(output, input, group, async_op, op)
+        return collectives.reduce_scatter(output, input, op, async_op)
     return custom(
         output_tensor=output,
         input_tensor=input,
-        group=group,
+        group=collectives.process_group,
         op=op,
         async_op=async_op,
     )
@@ -343,7 +343,7 @@ def _reduce_scatter(
 @torch.no_grad()
 def all_reduce(
     reduced: ReduceInFlight,
-    group: dist.ProcessGroup,
+    collectives: Collectives,
     comm: CommContext,
     group_name: str = "",
     after: tuple[InFlight, ...] = (),
@@ -356,35 +356,7 @@ def all_reduce(
         "all_reduce",
         group_name,
         output.numel() * output.element_size(),
-        lambda async_op: dist.all_reduce(output, op=op, group=group, async_op=async_op),
+        lambda async_op: collectives.all_reduce(output, op, async_op),
         after,
     )
     return reduced._replace(buffers=(), in_flight=(in_flight,))
-
-
-def output_slots(reduced: ReduceInFlight) -> list[torch.Tensor]:
-    """Each reduced parameter's rows of the output, shaped like its local shard."""
-    slots = reduced.output.split_with_sizes([p.padded_shard_numel for p in reduced.fsdp_params])
-    return [
-        slot[: p.local_numel].view(p.local_shape)
-        for p, slot in zip(reduced.fsdp_params, slots, strict=True)
-    ]
-
-
-@torch.no_grad()
-def average(reduced: ReduceInFlight) -> None:
-    """Divides a finished reduction by what its plan leaves to divide after
-    the collectives (by default the mean is over the ranks, as DDP's)."""
-    if (divisor := reduced.plan.post_divisor) is not None:
-        reduced.output.div_(divisor)
-
-
-@torch.no_grad()
-def assign_sharded_grads(reduced: ReduceInFlight, ops: DeviceOps | None = None) -> list[HostCopy]:
-    """Accumulates an averaged reduction into the sharded grads; returns those
-    still being copied to the host (see ``FSDPParam.accumulate_sharded_grad``)."""
-    copies = []
-    for fsdp_param, local_grad in zip(reduced.fsdp_params, output_slots(reduced), strict=True):
-        if (copy := fsdp_param.accumulate_sharded_grad(local_grad, ops)) is not None:
-            copies.append(copy)
-    return copies

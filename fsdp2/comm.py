@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from .device_ops import DeviceOps
+from .offload import HostGradCopies
 from .primitives import Waitable
 from .private_api import profiled
 from .stats import CollectiveStats, CommStats
@@ -81,15 +82,6 @@ class InFlight(NamedTuple):
             self.stats.ready_when_waited += ready
 
 
-class HostCopy(NamedTuple):
-    """A sharded grad on its way to pinned host memory (CPU offload on an
-    accelerator): a non-blocking copy on the current stream, which the host
-    reads only after ``CommContext.wait_grads_on_host``."""
-
-    copy: torch.Tensor  # pinned, shaped like the local shard, in the parameter's dtype
-    add_to: torch.Tensor | None  # the grad it is added to then; None: it is the grad
-
-
 class CommContext:
     """The comm streams shared by every param group under one root."""
 
@@ -111,10 +103,8 @@ class CommContext:
         # Where the replicated parameters are copied (the current stream): it waits
         # for the post-optimizer event once too.
         self._replicated_event: torch.Event | None = None
-        # CPU offload: the event after the latest non-blocking copy of grads to the
-        # host, and the copies to add to existing grads once the host has waited.
-        self._host_copies: torch.Event | None = None
-        self._host_additions: list[tuple[torch.Tensor, torch.Tensor]] = []  # (grad, copy)
+        # CPU offload: grads being copied to the host, waited for at the end of backward.
+        self.grads_to_host = HostGradCopies()
 
     @property
     def uses_streams(self) -> bool:
@@ -215,23 +205,6 @@ class CommContext:
             self._stream(self.ops, "all_gather_copy_in").wait_event(event)
             self._copied_out_event = None
             self._copied_out.clear()
-
-    def grads_to_host(self, copies: list[HostCopy]) -> None:
-        """``copies`` of sharded grads are being made on the current stream (CPU
-        offload): remember the event after them, and those to add to a grad."""
-        if copies and self.ops is not None:
-            self._host_copies = self.ops.current_stream().record_event()
-            self._host_additions += [(c.add_to, c.copy) for c in copies if c.add_to is not None]
-
-    def wait_grads_on_host(self) -> None:
-        """End of backward: the host waits, once, for the copies of the grads,
-        then adds those that accumulate into existing grads."""
-        if self._host_copies is not None:
-            self._host_copies.synchronize()
-            self._host_copies = None
-        for grad, copy in self._host_additions:
-            grad.add_(copy)
-        self._host_additions.clear()
 
     def shards_may_change(self) -> None:
         """A forward or backward ended: the next copy-in waits for the current

@@ -1,5 +1,6 @@
 """Enums, small records and the hook decorator shared by the engine."""
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -9,6 +10,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement, Replicate, Shard
+
+from .primitives import Collectives, collectives_for
 
 # How dynamo's graph-break reports name a call to a hook marked by ``eager_hook``.
 EAGER_HOOK_REASON = "fsdp2 hooks run eagerly"
@@ -99,6 +102,16 @@ class MeshInfo:
             replicate_group=mesh.get_group(0) if replicate else None,
             replicate_world_size=mesh.size(0) if replicate else 1,
         )
+
+    @functools.cached_property
+    def shard_collectives(self) -> Collectives:
+        return collectives_for(self.shard_group, self.mesh.device_type)
+
+    @functools.cached_property
+    def replicate_collectives(self) -> Collectives | None:
+        if self.replicate_group is None:
+            return None
+        return collectives_for(self.replicate_group, self.mesh.device_type)
 
     @property
     def placements(self) -> tuple[Placement, ...]:

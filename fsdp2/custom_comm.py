@@ -57,19 +57,19 @@ class ReduceScatter(Comm):
         ``collectives.divide_plan``)."""
 
 
-def check_comm(comm: object, method: str) -> None:
-    if not (callable(comm) and callable(getattr(comm, "allocate", None))):
+def check_custom_collective(collective: object, method: str) -> None:
+    if not (callable(collective) and callable(getattr(collective, "allocate", None))):
         raise TypeError(
             f"{method} expects a collective with allocate(size, *, dtype, device) and "
             f"__call__(output_tensor, input_tensor, group, ...) (e.g. a subclass of "
-            f"fsdp2.AllGather or fsdp2.ReduceScatter), got {type(comm).__name__}."
+            f"fsdp2.AllGather or fsdp2.ReduceScatter), got {type(collective).__name__}."
         )
 
 
 def allocate(
-    comm: Comm | None, numel: int, dtype: torch.dtype, device: torch.device
+    custom: Comm | None, numel: int, dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
-    """A flat buffer, from ``comm`` if one is set."""
-    if comm is None:
+    """A flat buffer, from the custom collective ``custom`` if one is set."""
+    if custom is None:
         return torch.empty(numel, dtype=dtype, device=device)
-    return comm.allocate((numel,), dtype=dtype, device=device)
+    return custom.allocate((numel,), dtype=dtype, device=device)

@@ -42,8 +42,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from . import primitives
 from .policy import MixedPrecisionPolicy
+from .primitives import Collectives
 
 PRE_ALL_GATHER = "fsdp_pre_all_gather"
 POST_ALL_GATHER = "fsdp_post_all_gather"
@@ -93,7 +93,7 @@ class AllGatherExtension:
         shard: torch.Tensor,
         outer_size: torch.Size,
         outer_stride: tuple[int, ...],
-        process_group: dist.ProcessGroup,
+        collectives: Collectives,
     ) -> list[torch.Tensor]:
         """This rank's inputs, flat and each as long as its slot."""
         pre_all_gather = getattr(shard, PRE_ALL_GATHER)
@@ -105,7 +105,7 @@ class AllGatherExtension:
             )
         inputs = [t.contiguous() for t in inputs]
         if self.slot_numels is None:
-            self._init_slots(inputs, process_group)
+            self._init_slots(inputs, collectives)
         self._input_shapes = [t.shape for t in inputs]
         flat = []
         for t, numel in zip(inputs, self.slots, strict=True):
@@ -115,15 +115,15 @@ class AllGatherExtension:
             flat.append(t)
         return flat
 
-    def _init_slots(self, inputs: list[torch.Tensor], process_group: dist.ProcessGroup) -> None:
+    def _init_slots(self, inputs: list[torch.Tensor], collectives: Collectives) -> None:
         numels = [t.numel() for t in inputs]
-        world_size = dist.get_world_size(process_group)
+        world_size = dist.get_world_size(collectives.process_group)
         if self.unsharded_rows % world_size:
             # Uneven: ranks' inputs differ in size. Agree on the largest, once.
             device = inputs[0].device if inputs else torch.device("cpu")
             local = torch.tensor(numels, dtype=torch.int64, device=device)
             gathered = torch.empty(world_size * len(numels), dtype=torch.int64, device=device)
-            primitives.all_gather_single(gathered, local, process_group)
+            collectives.all_gather(gathered, local)
             numels = gathered.view(world_size, -1).amax(dim=0).tolist()
         self.slot_numels = numels
         self.slot_dtypes = [t.dtype for t in inputs]

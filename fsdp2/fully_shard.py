@@ -15,10 +15,10 @@ from torch.distributed.tensor import DTensor, Shard
 from .common import MeshInfo, ShardedState, device_from_mesh, post_forward_mesh_info
 from .mesh import DataParallelMeshDims, MeshInfos, ShardPlacementResult, spmd_mesh_info
 from .module import FSDPModule
-from .param import FSDPParam, ModuleSlot
+from .param import FSDPParam, Registration
 from .param_group import FSDPParamGroup
 from .policy import MixedPrecisionPolicy, OffloadPolicy
-from .private_api import in_backward, mark_composable_api
+from .private_api import in_backward, mark_composable_api, module_parameters
 from .state import FSDPState, get_fsdp_state
 from .state_dict import register_state_dict_hooks
 from .validate import (
@@ -203,7 +203,7 @@ def fully_shard(
         if nested.parent is None:
             nested.parent = state
     if named_params:
-        slots = _module_slots(modules, named_params)
+        registrations = _registrations(modules, named_params)
         by_mesh: dict[int, list[FSDPParam]] = {}  # [Note: groups of one call]
         for (fqn, param), (dim, info), extends in zip(
             named_params, placements, extended, strict=True
@@ -212,7 +212,7 @@ def fully_shard(
                 FSDPParam(
                     param,
                     fqn,
-                    slots[id(param)],
+                    registrations[id(param)],
                     info,
                     device,
                     mp_policy,
@@ -220,7 +220,7 @@ def fully_shard(
                     shard_dim=dim,
                     # A subclass that all-gathers itself is always sharded.
                     replicated=not extends and _local_numel(param) < min_numel_to_shard,
-                    ops=state.ctx.comm.ops,
+                    ops=state.root_ctx.comm.ops,
                 )
             )
         _mark_sharded(modules, named_params)
@@ -231,7 +231,7 @@ def fully_shard(
                 fsdp_params,
                 modules,
                 info,
-                state.ctx,
+                state.root_ctx,
                 reshard_after_forward=reshard is not False,
                 post_forward_mesh_info=small_group,
             )
@@ -355,17 +355,17 @@ def _unowned_params(modules: list[nn.Module]) -> list[tuple[str, nn.Parameter]]:
     return params
 
 
-def _module_slots(
+def _registrations(
     modules: list[nn.Module], named_params: list[tuple[str, nn.Parameter]]
-) -> dict[int, list[ModuleSlot]]:
+) -> dict[int, list[Registration]]:
     """Every ``(submodule, name)`` that holds each parameter, so tied parameters stay tied."""
-    slots: dict[int, list[ModuleSlot]] = {id(p): [] for _, p in named_params}
+    found: dict[int, list[Registration]] = {id(p): [] for _, p in named_params}
     submodules = dict.fromkeys(m for member in modules for m in member.modules())
     for submodule in submodules:
-        for name, param in submodule._parameters.items():
-            if param is not None and id(param) in slots:
-                slots[id(param)].append(ModuleSlot(submodule, name))
-    return slots
+        for name, param in module_parameters(submodule).items():
+            if param is not None and id(param) in found:
+                found[id(param)].append(Registration(submodule, name))
+    return found
 
 
 def _mark_sharded(modules: list[nn.Module], named_params: list[tuple[str, nn.Parameter]]) -> None:
@@ -395,10 +395,10 @@ def _check_no_param_shared_with_nested_group(modules: list[nn.Module]) -> None:
     owner_of = {}
     for state in nested:
         for fsdp_param in (p for group in state.param_groups for p in group.fsdp_params):
-            slot = fsdp_param.slots[0]
+            first = fsdp_param.registrations[0]
             owner = fsdp_param.fqn
-            if (path := paths.get(id(slot.module))) is not None:
-                owner = f"{path}.{slot.name}" if path else slot.name
+            if (path := paths.get(id(first.module))) is not None:
+                owner = f"{path}.{first.name}" if path else first.name
             owner_of[id(fsdp_param.sharded_param)] = owner
             if (orig := fsdp_param.orig_param_ref()) is not None:
                 owner_of[id(orig)] = owner
@@ -406,7 +406,7 @@ def _check_no_param_shared_with_nested_group(modules: list[nn.Module]) -> None:
         for module_name, submodule in member.named_modules():
             if id(submodule) in inside_nested:
                 continue
-            for name, param in submodule._parameters.items():
+            for name, param in module_parameters(submodule).items():
                 if param is not None and id(param) in owner_of:
                     where = f"{prefix}{module_name}.{name}" if module_name else f"{prefix}{name}"
                     raise ValueError(
@@ -440,7 +440,7 @@ def _checked_forward(forward):
             # checkpointing), break it: the autograd engine query is not traceable.
             return forward(self, *args, **kwargs)
         state = self.__dict__["_fsdp_state"]
-        in_forward = state.ctx.forward_root is not None or in_backward()  # or recomputing
+        in_forward = state.root_ctx.forward_root is not None or in_backward()  # or recomputing
         if not in_forward or any(
             group.sharded_state is not ShardedState.UNSHARDED for group in state.param_groups
         ):

@@ -11,8 +11,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .custom_comm import AllGather, ReduceScatter, check_comm
+from .custom_comm import AllGather, ReduceScatter, check_custom_collective
 from .param_group import FSDPParamGroup
+from .primitives import Collectives, collectives_for
 from .state import FSDPState
 
 
@@ -146,7 +147,7 @@ class FSDPModule:
         """Whether the next backward is the last before the optimizer step. If
         not, its last reduce-scatter is left in flight at the end of backward
         (finished by the next backward's), overlapping the next forward."""
-        self._fsdp_state.ctx.is_last_backward = is_last_backward
+        self._fsdp_state.root_ctx.reductions.is_last_backward = is_last_backward
 
     def reset_iter_state(self) -> None:
         """Recovers from an exception raised in the middle of forward or backward:
@@ -154,7 +155,7 @@ class FSDPModule:
         discards the interrupted iteration's gradients and returns every state to
         idle, so the next iteration starts clean. Call it on the root, on every
         rank."""
-        self._fsdp_state.ctx.reset()
+        self._fsdp_state.root_ctx.reset()
 
     def set_check_execution_order(self, enabled: bool = True) -> None:
         """Checks on the first iteration that all ranks communicate the same
@@ -162,7 +163,7 @@ class FSDPModule:
         warn once if a rank deviates from its first. Call it on the root, on every
         rank (``TORCH_DISTRIBUTED_DEBUG=DETAIL`` turns it on too). See
         [Note: why order matters] in order.py."""
-        self._fsdp_state.ctx.enable_order_check(enabled)
+        self._fsdp_state.root_ctx.enable_order_check(enabled)
 
     def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
         """All-gathers ``modules`` as soon as this module's forward starts. This
@@ -251,7 +252,7 @@ class FSDPModule:
             raise TypeError(f"set_all_reduce_hook expects a callable, got {type(hook).__name__}.")
         state = self._fsdp_state
         if stream is not None:
-            if not state.ctx.comm.uses_streams:
+            if not state.root_ctx.comm.uses_streams:
                 raise ValueError(
                     "set_all_reduce_hook(stream=...) needs an accelerator; on CPU the hook runs "
                     "where the reduction finished. Leave stream=None."
@@ -285,10 +286,10 @@ class FSDPModule:
             raise ValueError(f"max_input_buffers must be a positive int, got {max_input_buffers}")
         for group in self._param_groups(recurse):
             group.reduce_scatter_max_input_buffers = max_input_buffers
-        ctx = self._fsdp_state.ctx
-        if ctx.states:  # after lazy init: the root's context applies it
-            ctx.reduce_scatter_max_input_buffers = max(
-                g.reduce_scatter_max_input_buffers for g in ctx.groups
+        root_ctx = self._fsdp_state.root_ctx
+        if root_ctx.states:  # after lazy init: the root's context applies it
+            root_ctx.reductions.max_input_buffers = max(
+                g.reduce_scatter_max_input_buffers for g in root_ctx.groups
             )
 
     def set_separate_reduce_scatter_group(
@@ -304,16 +305,17 @@ class FSDPModule:
             enable: a separate group (True) or the shard group again (False).
             recurse: apply to every sharded submodule too. (Default: True)
         """
-        created: dict[tuple[int, ...], dist.ProcessGroup] = {}  # one per set of ranks
+        created: dict[tuple[int, ...], Collectives] = {}  # one per set of ranks
         for group in self._param_groups(recurse):
-            shard_group = group.mesh_info.shard_group
+            info = group.mesh_info
             if not enable:
-                group.reduce_scatter_group = shard_group
+                group.reduce_scatter_collectives = info.shard_collectives
                 continue
-            ranks = tuple(dist.get_process_group_ranks(shard_group))
+            ranks = tuple(dist.get_process_group_ranks(info.shard_group))
             if ranks not in created:
-                created[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
-            group.reduce_scatter_group = created[ranks]
+                process_group = dist.new_group(list(ranks), use_local_synchronization=True)
+                created[ranks] = collectives_for(process_group, info.mesh.device_type)
+            group.reduce_scatter_collectives = created[ranks]
 
     # -- communication --------------------------------------------------------
 
@@ -329,17 +331,17 @@ class FSDPModule:
         """All-gathers this module's parameters with ``comm`` (its ``allocate``
         gives the buffer, its ``__call__`` runs the collective; see
         custom_comm.py). Not recursive."""
-        check_comm(comm, "set_custom_all_gather")
+        check_custom_collective(comm, "set_custom_all_gather")
         for group in self._only_group("set_custom_all_gather"):
-            group.all_gather_comm = comm
+            group.custom_all_gather = comm
 
     def set_custom_reduce_scatter(self, comm: ReduceScatter) -> None:
         """Reduce-scatters this module's gradients with ``comm`` (its ``allocate``
         gives the buffers, its ``__call__`` runs the collective; see
         custom_comm.py). Not recursive."""
-        check_comm(comm, "set_custom_reduce_scatter")
+        check_custom_collective(comm, "set_custom_reduce_scatter")
         for group in self._only_group("set_custom_reduce_scatter"):
-            group.reduce_scatter_comm = comm
+            group.custom_reduce_scatter = comm
 
     def set_post_optim_event(self, event: torch.Event) -> None:
         """Accelerators: makes the current stream wait for ``event`` (recorded
@@ -348,13 +350,13 @@ class FSDPModule:
         on the root with a new event every iteration. The gradients that step
         read must stay referenced until then (e.g. ``zero_grad()`` after the
         next forward), or their memory may be reused while it runs."""
-        ctx = self._fsdp_state.ctx
-        if not ctx.comm.uses_streams:
+        comm = self._fsdp_state.root_ctx.comm
+        if not comm.uses_streams:
             raise ValueError(
                 "set_post_optim_event needs an accelerator (events and streams); on CPU the "
                 "all-gathers run after the optimizer step in program order."
             )
-        ctx.comm.post_optim_event = event
+        comm.post_optim_event = event
 
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
         """``model.to(dtype)``, ``model.double()``...: converts the sharded
@@ -438,8 +440,8 @@ def share_comm_ctx(modules: list[FSDPModule]) -> None:
             raise ValueError(
                 f"share_comm_ctx expects modules passed to fully_shard, got {type(module).__name__}."
             )
-    shared = modules[0]._fsdp_state.ctx
+    shared = modules[0]._fsdp_state.root_ctx
     for module in modules[1:]:
-        ctx = module._fsdp_state.ctx
-        ctx.comm = shared.comm
-        ctx.reduce_scatters_in_flight = shared.reduce_scatters_in_flight
+        root_ctx = module._fsdp_state.root_ctx
+        root_ctx.comm = shared.comm
+        root_ctx.reductions.reduce_scatters = shared.reductions.reduce_scatters

@@ -25,23 +25,21 @@ from a training iteration).
 from __future__ import annotations
 
 import warnings
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from . import primitives
-
-if TYPE_CHECKING:
-    from .param_group import FSDPParamGroup
+from .primitives import Collectives
 
 _KINDS = ("all-gather", "reduce-scatter", "all-reduce")
 
 
 class ExecutionOrderCheck:
-    def __init__(self, groups: list[FSDPParamGroup], device: torch.device) -> None:
-        self._groups = groups  # pre-order from the root: the same on every rank
-        self._index = {id(g): i for i, g in enumerate(groups)}
+    """Of the groups under one root, named by ``names`` and told apart by their
+    position in it (pre-order from the root: the same on every rank)."""
+
+    def __init__(self, names: list[str], device: torch.device) -> None:
+        self._names = names
         self._device = device
         # The first synced training iteration's sequence of (kind, group index).
         self._reference: list[tuple[int, int]] | None = None
@@ -68,22 +66,22 @@ class ExecutionOrderCheck:
         self._current = []
 
     def before_collective(
-        self, kind: str, group: FSDPParamGroup, process_group: dist.ProcessGroup, numel: int
+        self, kind: str, group_position: int, collectives: Collectives, numel: int
     ) -> None:
         """Until the reference exists: all ranks must be issuing the same collective."""
         if self._reference is None:
             position = len(self._current)
-            entry = (_KINDS.index(kind), self._index[id(group)])
-            self._check_across_ranks(entry, position, process_group, numel, group)
+            entry = (_KINDS.index(kind), group_position)
+            self._check_across_ranks(entry, position, collectives, numel)
 
-    def record(self, kind: str, group: FSDPParamGroup, in_training: bool) -> None:
+    def record(self, kind: str, group_position: int, in_training: bool) -> None:
         """A collective's result is used (an all-gather) or one is issued (a
         reduction). Recorded in use order, which follows the modules' execution
         order and so does not depend on how far ahead prefetching guessed.
         ``in_training``: by a forward with grad enabled, or by a backward."""
         if not in_training:
             return
-        entry = (_KINDS.index(kind), self._index[id(group)])
+        entry = (_KINDS.index(kind), group_position)
         position = len(self._current)
         self._current.append(entry)
         reference = self._reference
@@ -110,15 +108,15 @@ class ExecutionOrderCheck:
         self,
         entry: tuple[int, int],
         position: int,
-        process_group: dist.ProcessGroup,
+        collectives: Collectives,
         numel: int,
-        group: FSDPParamGroup,
     ) -> None:
+        process_group = collectives.process_group
         world_size = dist.get_world_size(process_group)
         mine = torch.tensor([*entry, numel], dtype=torch.int64, device=self._device)
         everyone = torch.empty(world_size * 3, dtype=torch.int64, device=self._device)
         try:
-            primitives.all_gather_single(everyone, mine, process_group)
+            collectives.all_gather(everyone, mine)
         except RuntimeError as error:
             raise RuntimeError(
                 f"fsdp2 execution order check (rank {dist.get_rank()}): exchanging the "
@@ -142,4 +140,4 @@ class ExecutionOrderCheck:
 
     def _describe(self, entry: tuple[int, int]) -> str:
         kind, index = entry
-        return f"{_KINDS[kind]} of {self._groups[index].name!r}"
+        return f"{_KINDS[kind]} of {self._names[index]!r}"

@@ -34,26 +34,28 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
-from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
-from .comm import HostCopy
 from .common import MeshInfo, SpmdAxes, chunk_rows
 from .device_ops import DeviceOps
 from .extension import AllGatherExtension, uses_all_gather_extension
+from .offload import HostCopy, copy_to_host
 from .policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from .private_api import (
+    DTensorSpec,
     concatenate_meshes,
     dtensor_from_local_no_grad,
     dtensor_spec,
     local_tensor,
+    module_parameters,
+    post_accumulate_grad_hooks,
     set_local_tensor,
     strided_shard,
 )
 from .validate import FSDP_SHARDED
 
 
-class ModuleSlot(NamedTuple):
-    """One place the parameter is registered: ``module._parameters[name]``."""
+class Registration(NamedTuple):
+    """One place the parameter is registered on a module, under ``name``."""
 
     module: nn.Module
     name: str
@@ -125,7 +127,7 @@ class FSDPParam:
         self,
         param: nn.Parameter,
         fqn: str,
-        slots: list[ModuleSlot],
+        registrations: list[Registration],
         mesh_info: MeshInfo,
         device: torch.device,
         mp_policy: MixedPrecisionPolicy,
@@ -135,7 +137,7 @@ class FSDPParam:
         ops: DeviceOps | None = None,
     ) -> None:
         self.fqn = fqn  # from the root after lazy init; from the sharded module before
-        self.slots = slots
+        self.registrations = registrations
         # The parameter before sharding, only to recognise it if it was tied to
         # a module outside this group (see fully_shard.py).
         self.orig_param_ref = weakref.ref(param)
@@ -198,7 +200,7 @@ class FSDPParam:
                 _shard_axis(mesh_info.mesh),
                 device,
                 self.unsharded_size[0],
-                slots[0].module,
+                registrations[0].module,
                 mp_policy,
             )
         self._set_on_modules(self.sharded_param)
@@ -225,8 +227,8 @@ class FSDPParam:
         offload the new shard must be on the CPU (or still on meta) and is
         pinned again (``ops``: the comm context's device ops). Called with the
         group sharded."""
-        slot = self.slots[0]
-        param = slot.module._parameters[slot.name]
+        first = self.registrations[0]
+        param = module_parameters(first.module)[first.name]
         if param is not self.sharded_param:
             param = self._adoptable(param)
             param.__dict__[FSDP_SHARDED] = True
@@ -265,10 +267,10 @@ class FSDPParam:
         """Raises if the module no longer holds the sharded parameter: replaced
         after the first forward, the new one would be overwritten by the next
         unshard. Called with the group sharded."""
-        if not self.slots:
+        if not self.registrations:
             return
-        slot = self.slots[0]
-        if slot.module._parameters[slot.name] is not self.sharded_param:
+        first = self.registrations[0]
+        if module_parameters(first.module)[first.name] is not self.sharded_param:
             raise RuntimeError(
                 f"fsdp2: {self.fqn!r} was replaced on its module after the first forward; "
                 "the replacement would be overwritten by the next all-gather. Assign new "
@@ -385,7 +387,10 @@ class FSDPParam:
         if self.offload:
             local = local.to(self.device, non_blocking=True)
         return self.extension.pre_all_gather(
-            local, self.orig_size, _contiguous_strides(self.orig_size), self.mesh_info.shard_group
+            local,
+            self.orig_size,
+            _contiguous_strides(self.orig_size),
+            self.mesh_info.shard_collectives,
         )
 
     @property
@@ -484,10 +489,8 @@ class FSDPParam:
         self._set_on_modules(self.unsharded_param)
 
     def _set_on_modules(self, param: nn.Parameter | None) -> None:
-        # Assign through ``_parameters`` directly: ``setattr`` would re-run
-        # nn.Module's checks every unshard and reshard of every step.
-        for slot in self.slots:
-            slot.module._parameters[slot.name] = param
+        for module, name in self.registrations:
+            module_parameters(module)[name] = param
 
     # -- gradients --------------------------------------------------------
 
@@ -544,17 +547,16 @@ class FSDPParam:
         to the sharded grad. With ``CPUOffloadPolicy`` on an accelerator they
         are copied to pinned host memory without blocking the host: returns
         the copy, which is the grad or is added to it once the host has waited
-        for the current stream (``CommContext.wait_grads_on_host``, once at
+        for the current stream (``HostGradCopies.wait``, once at
         the end of backward)."""
         grad = self.sharded_param.grad
-        hooks = self.sharded_param._post_accumulate_grad_hooks
+        hooks = post_accumulate_grad_hooks(self.sharded_param)
         if self.offload and self.pin_memory and ops is not None and not hooks:
-            host = ops.pinned_empty(local_grad.shape, self.orig_dtype)
-            host.copy_(local_grad, non_blocking=True)
-            if grad is not None:
-                return HostCopy(host, local_tensor(grad))
-            self.sharded_param.grad = self._as_sharded_grad(host)
-            return HostCopy(host, None)
+            add_to = None if grad is None else local_tensor(grad)
+            copy = copy_to_host(local_grad, self.orig_dtype, add_to, ops)
+            if grad is None:
+                self.sharded_param.grad = self._as_sharded_grad(copy.copy)
+            return copy
         local_grad = local_grad.to(self.shard_device, self.orig_dtype)
         if grad is None:
             self.sharded_param.grad = self._as_sharded_grad(local_grad)
@@ -563,9 +565,8 @@ class FSDPParam:
         # Autograd never accumulates into the sharded parameter, so hooks registered
         # with register_post_accumulate_grad_hook (an optimizer step in backward)
         # run here, once its gradient is complete (on the host: not copied above).
-        if hooks:
-            for hook in list(hooks.values()):
-                hook(self.sharded_param)
+        for hook in hooks:
+            hook(self.sharded_param)
         return None
 
     def __repr__(self) -> str:

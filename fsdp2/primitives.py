@@ -1,53 +1,30 @@
-"""The all-gather and the reduce-scatter that every fsdp2 collective goes through.
+"""The collectives of one process group: torch's, or on gloo fsdp2's own.
 
-``all_gather_single`` and ``reduce_scatter_single`` take torch's arguments and
-run torch's collectives, except for CPU tensors on a gloo group, where they are
-built from gloo's cheaper collectives. Tests record fsdp2's collectives by
-replacing these two names (the callers look them up at call time).
+Every all-gather, reduce-scatter and all-reduce fsdp2 makes goes through a
+``Collectives`` object bound to one process group, chosen once per group by
+``collectives_for`` from the group's backend for the device: on a CPU gloo
+group ``GlooCollectives``, everywhere else torch's (``Collectives``).
 
 [Note: collectives on gloo]
-gloo (torch's CPU backend) has no reduce-scatter of its own. torch's
-``reduce_scatter_single`` on gloo clones the whole input on the calling
-thread, all-reduces the clone, and copies this rank's rows out when waited:
-the bytes of an all-reduce (twice a reduce-scatter's) plus a full-size copy
-and allocation. Its ``all_gather_single`` gathers into a temporary buffer the
-size of the output and copies that into the output on gloo's thread. On a
-CPU, every one of those copies comes out of the cores that compute.
+gloo has no reduce-scatter: torch's clones the input, all-reduces the clone
+(twice a reduce-scatter's bytes) and copies this rank's rows out; its
+all-gather goes through a temporary the size of the output. On a CPU those
+copies come out of the cores that compute. ``GlooCollectives`` instead
 
-For CPU tensors on a gloo group fsdp2 runs instead:
+- reduce-scatters by sending row k of the input to rank k (point to point),
+  receiving the rows straight into the output (the first) and a buffer of
+  ``W - 2`` rows, and adding them when waited: a reduce-scatter's bytes;
+- all-gathers with one broadcast per rank into its block of the output.
 
-- reduce-scatter = row k of the input sent to rank k (point to point), the
-  rows received straight into the output (the first) and a buffer of
-  ``W - 2`` rows (the others: none on 2 ranks), then, when waited, this rank's
-  own row and the buffered ones added to the output: a reduce-scatter's bytes,
-  no clone;
-- all-gather = one broadcast per rank, rank k's from its own block of the
-  output (the all-gather input is that block), each written in place by gloo:
-  no temporary, no copy.
-
-Every rank must take the same path for the same call, or the ranks would
-wait for different messages: the choice depends only on the group's backend,
-the tensors' device, the environment variable ``FSDP2_TORCH_COLLECTIVES=1``
-(torch's collectives everywhere, for tools that must see them) and whether
-``dist.all_gather_single`` / ``dist.reduce_scatter_single`` have been
-replaced (then the replacement is called, as torch's fully_shard would:
-torch's test helpers delay or count collectives that way, on every rank). It
-never depends on what a rank alone observes. What a rank's dispatch modes
-(``CommDebugMode`` among them) see is the collective it implements, one
-``c10d._allgather_base_`` or ``c10d._reduce_scatter_base_``, as with torch's
-(``private_api.run_as_collective``); ``fsdp2.comm_stats`` counts both too.
-
-Per rank on 2 ranks, 12 MiB (3.1 M float32, a dim-512 block), CPU time of all
-of the process's threads: reduce-scatter 10.8 ms -> 5.8 ms, all-gather
-6.3 ms -> 4.0 ms; on 4 ranks 14.7-16.3 -> 4.5 and 7.6 -> 4.3 ms (see
-docs/performance.md). Everywhere else (NCCL and other backends, custom
-collectives, accelerator tensors on a gloo group) the backend's own
-collectives run.
+Every rank takes the same path for the same group (the choice depends on the
+group alone), or ranks would wait for different messages. Dispatch modes
+(``CommDebugMode``, the tests' stream model) still see the one c10d
+collective each call implements (``private_api.run_as_collective``); the
+gain is measured in docs/performance.md.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import Protocol
 
@@ -55,6 +32,8 @@ import torch
 import torch.distributed as dist
 
 from .private_api import run_as_collective
+
+ReduceOp = dist.ReduceOp | dist.ReduceOp.RedOpType
 
 
 class Waitable(Protocol):
@@ -66,57 +45,91 @@ class Waitable(Protocol):
     def wait(self) -> bool: ...
 
 
-# torch's, as imported: a tool or test that replaces them (to count or delay
-# collectives) gets its replacement called.
-_TORCH_ALL_GATHER = dist.all_gather_single
-_TORCH_REDUCE_SCATTER = dist.reduce_scatter_single
-# Set in the environment of every rank: torch's collectives on gloo too.
-_TORCH_COLLECTIVES_ONLY = os.environ.get("FSDP2_TORCH_COLLECTIVES", "0") == "1"
+def backend_for(process_group: dist.ProcessGroup, device_type: str) -> str:
+    """The backend that runs ``process_group``'s collectives on ``device_type``:
+    "nccl" from ``dist.get_backend``'s "nccl" or "cpu:gloo,cuda:nccl"."""
+    backend = str(dist.get_backend(process_group))
+    for part in backend.split(","):
+        part_device, _, name = part.rpartition(":")
+        if part_device == device_type:
+            return name
+    return backend
 
 
-def all_gather_single(
-    output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False
-) -> Waitable | None:
-    """Gathers every rank's ``input`` into ``output`` (1D or rank-major along
-    dim 0), as ``dist.all_gather_single``."""
-    if dist.all_gather_single is _TORCH_ALL_GATHER and _own_path(group, output):
+class Collectives:
+    """torch's collectives on one process group (``backend``: its backend for
+    the device the engine's tensors are on)."""
+
+    def __init__(self, process_group: dist.ProcessGroup, backend: str) -> None:
+        self.process_group = process_group
+        self.backend = backend
+
+    def all_gather(
+        self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False
+    ) -> Waitable | None:
+        """Gathers every rank's ``input`` into ``output`` (rank-major along dim 0)."""
+        return dist.all_gather_single(output, input, group=self.process_group, async_op=async_op)
+
+    def reduce_scatter(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        op: ReduceOp = dist.ReduceOp.SUM,
+        async_op: bool = False,
+    ) -> Waitable | None:
+        """Reduces ``input`` (rank-major) over the ranks with ``op``; this rank's
+        block lands in ``output``."""
+        return dist.reduce_scatter_single(
+            output, input, op=op, group=self.process_group, async_op=async_op
+        )
+
+    def all_reduce(
+        self, tensor: torch.Tensor, op: ReduceOp = dist.ReduceOp.SUM, async_op: bool = False
+    ) -> Waitable | None:
+        return dist.all_reduce(tensor, op=op, group=self.process_group, async_op=async_op)
+
+
+class GlooCollectives(Collectives):
+    """fsdp2's all-gather and summing reduce-scatter on a CPU gloo group (see
+    [Note: collectives on gloo]); other ops are torch's."""
+
+    def all_gather(
+        self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False
+    ) -> Waitable | None:
+        process_group = self.process_group
         return run_as_collective(
-            lambda: _finish(_gloo_all_gather(output, input, group), async_op),
+            lambda: _finish(_gloo_all_gather(output, input, process_group), async_op),
             "all_gather",
             output,
             input,
-            group,
+            process_group,
         )
-    return dist.all_gather_single(output, input, group=group, async_op=async_op)
 
-
-def reduce_scatter_single(
-    output: torch.Tensor,
-    input: torch.Tensor,
-    group: dist.ProcessGroup,
-    async_op: bool = False,
-    op: dist.ReduceOp | dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
-) -> Waitable | None:
-    """Reduces ``input`` (1D, rank-major) over the ranks with ``op`` and leaves
-    this rank's block in ``output``, as ``dist.reduce_scatter_single``."""
-    own = op == dist.ReduceOp.SUM and _own_path(group, input)  # gloo's: a sum
-    if dist.reduce_scatter_single is _TORCH_REDUCE_SCATTER and own:
+    def reduce_scatter(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        op: ReduceOp = dist.ReduceOp.SUM,
+        async_op: bool = False,
+    ) -> Waitable | None:
+        if op != dist.ReduceOp.SUM:
+            return super().reduce_scatter(output, input, op, async_op)
+        process_group = self.process_group
         return run_as_collective(
-            lambda: _finish(_gloo_reduce_scatter(output, input, group), async_op),
+            lambda: _finish(_gloo_reduce_scatter(output, input, process_group), async_op),
             "reduce_scatter",
             output,
             input,
-            group,
+            process_group,
         )
-    return dist.reduce_scatter_single(output, input, op=op, group=group, async_op=async_op)
 
 
-def _own_path(group: dist.ProcessGroup, tensor: torch.Tensor) -> bool:
-    """CPU tensors on a gloo group, unless ``FSDP2_TORCH_COLLECTIVES=1``."""
-    if tensor.device.type != "cpu" or _TORCH_COLLECTIVES_ONLY:
-        return False
-    backend = str(dist.get_backend(group))
-    return backend == "gloo" or "cpu:gloo" in backend
+def collectives_for(process_group: dist.ProcessGroup, device_type: str) -> Collectives:
+    """The collectives of ``process_group`` for tensors on ``device_type``."""
+    backend = backend_for(process_group, device_type)
+    if device_type == "cpu" and backend == "gloo":
+        return GlooCollectives(process_group, backend)
+    return Collectives(process_group, backend)
 
 
 # Point-to-point messages are matched by (peer, tag) in issue order: a tag of
@@ -149,27 +162,27 @@ class JoinedWork:
 
 
 def _gloo_all_gather(
-    output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup
+    output: torch.Tensor, input: torch.Tensor, process_group: dist.ProcessGroup
 ) -> JoinedWork:
     """One broadcast per rank, each into its block of ``output``."""
-    world_size, rank = group.size(), group.rank()
+    world_size, rank = process_group.size(), process_group.rank()
     blocks = output.view(-1).chunk(world_size)
     if blocks[rank].data_ptr() != input.data_ptr():
         blocks[rank].copy_(input)
     works = [
-        dist.broadcast(block, group=group, group_src=src, async_op=True)
+        dist.broadcast(block, group=process_group, group_src=src, async_op=True)
         for src, block in enumerate(blocks)
     ]
     return JoinedWork(works)
 
 
 def _gloo_reduce_scatter(
-    output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup
+    output: torch.Tensor, input: torch.Tensor, process_group: dist.ProcessGroup
 ) -> JoinedWork:
     """Row k of ``input`` sent to rank k; the first peer's row received into
     ``output``, the others' into a buffer; when waited, this rank's own row and
     the buffered ones added to ``output``."""
-    world_size, rank = group.size(), group.rank()
+    world_size, rank = process_group.size(), process_group.rank()
     rows = input.view(world_size, -1)
     if world_size == 1:
         output.copy_(rows[0])
@@ -178,10 +191,11 @@ def _gloo_reduce_scatter(
     # 2 ranks (the common CPU case) need no buffer at all.
     received = [output, *torch.empty_like(rows[2:]).unbind(0)]
     works = [
-        _issued(dist.isend(rows[peer], group=group, group_dst=peer, tag=_TAG)) for peer in peers
+        _issued(dist.isend(rows[peer], group=process_group, group_dst=peer, tag=_TAG))
+        for peer in peers
     ]
     works += [
-        _issued(dist.irecv(into, group=group, group_src=peer, tag=_TAG))
+        _issued(dist.irecv(into, group=process_group, group_src=peer, tag=_TAG))
         for peer, into in zip(peers, received, strict=True)
     ]
 

@@ -1,7 +1,12 @@
 """Every private torch API that fsdp2 relies on, in one place.
 
 Each wrapper says why no public API does the job. When torch grows a public
-equivalent, only this file changes.
+equivalent, only this file changes. Two private names are used elsewhere by
+necessity, as overrides rather than calls: ``FSDPModule._apply`` (module.py)
+extends ``nn.Module._apply``, the one method every ``model.to()``,
+``.double()`` and ``to_empty()`` goes through, so the group can adopt the
+converted shards; and ``nn.Module._parameters`` is read and written through
+``module_parameters`` below.
 """
 
 import contextlib
@@ -31,6 +36,10 @@ __all__ = [
     "flatten_axes",
     "dtensor_from_local_no_grad",
     "dtensor_spec",
+    "DTensorSpec",
+    "foreach_copy_",
+    "module_parameters",
+    "post_accumulate_grad_hooks",
     "in_backward",
     "local_tensor",
     "set_local_tensor",
@@ -38,7 +47,6 @@ __all__ = [
     "mark_composable_api",
     "functorch_transforms_active",
     "outside_functorch",
-    "premul_sum",
     "queue_backward_callback",
     "shards_tensor",
     "strided_shard",
@@ -71,16 +79,6 @@ def mark_composable_api(module: torch.nn.Module, api_name: str) -> None:
     """
     registry = module.__dict__.setdefault(REGISTRY_KEY, {})
     registry.setdefault(api_name, RegistryItem())
-
-
-def premul_sum(factor: float) -> dist.ReduceOp:
-    """NCCL's reduction that multiplies every rank's input by ``factor`` and sums.
-
-    Why private: no documented API builds a ``PREMUL_SUM`` op with its factor;
-    ``dist._make_nccl_premul_sum`` does (torch's fully_shard reduces with the
-    same op when a gradient divide factor is set).
-    """
-    return dist._make_nccl_premul_sum(factor)
 
 
 def in_backward() -> bool:
@@ -216,6 +214,40 @@ def chunk_cat_(tensors: list[torch.Tensor], num_chunks: int, out: torch.Tensor) 
     copies per gradient (full chunks, then the short last chunk).
     """
     torch._chunk_cat(tensors, dim=0, num_chunks=num_chunks, out=out)
+
+
+def foreach_copy_(
+    dsts: list[torch.Tensor] | tuple[torch.Tensor, ...],
+    srcs: list[torch.Tensor],
+    non_blocking: bool = False,
+) -> None:
+    """Copies each of ``srcs`` into the matching ``dsts``, casting.
+
+    Why private: the all-gather copy-in as one fused kernel launch; the
+    public alternative is one ``copy_`` per parameter.
+    """
+    torch._foreach_copy_(dsts, srcs, non_blocking=non_blocking)
+
+
+def post_accumulate_grad_hooks(param: torch.Tensor) -> list[Callable]:
+    """The hooks ``register_post_accumulate_grad_hook`` put on ``param``.
+
+    Why private: autograd never accumulates into a sharded parameter (fsdp2
+    assigns its gradient), so fsdp2 runs those hooks itself, and no public
+    API lists them.
+    """
+    hooks = param._post_accumulate_grad_hooks
+    return [] if hooks is None else list(hooks.values())
+
+
+def module_parameters(module: torch.nn.Module) -> dict[str, torch.nn.Parameter | None]:
+    """``module``'s own parameters by name, the dict itself (writable).
+
+    Why private: unsharding and resharding swap every parameter of every
+    group twice a step; ``setattr`` would rerun ``nn.Module``'s checks each
+    time, and ``named_parameters`` cannot say which module a tied one is on.
+    """
+    return module._parameters
 
 
 def dtensor_spec(

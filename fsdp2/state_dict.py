@@ -22,10 +22,10 @@ def register_state_dict_hooks(module: nn.Module, group: FSDPParamGroup) -> None:
     fsdp_params = group.fsdp_params
     paths = {id(m): path for path, m in module.named_modules(remove_duplicate=False)}
     by_key = {
-        (f"{paths[id(slot.module)]}.{slot.name}" if paths[id(slot.module)] else slot.name): p
+        (f"{paths[id(module)]}.{name}" if paths[id(module)] else name): p
         for p in fsdp_params
-        for slot in p.slots
-        if id(slot.module) in paths
+        for module, name in p.registrations
+        if id(module) in paths
     }
 
     def reshard(*_args) -> None:

@@ -1,23 +1,15 @@
-"""Communication statistics: what each group sent, and how long compute waited for it.
+"""The records of ``fsdp2.comm_stats``: what each group sent, and how long
+compute waited for it.
 
-    with fsdp2.comm_stats(model) as stats:    # model: the root
-        for batch in batches:
-            train_step(batch)
-    print(stats.steps[-1]["layers.0"].all_gather.bytes)
-
-A *step* ends when a backward ends (the final callback), so ``stats.steps``
-has one entry per backward; collectives of a forward without backward (e.g.
+A *step* ends when a backward ends (the final callback), so ``steps`` has one
+entry per backward; collectives of a forward without backward (e.g.
 evaluation) go into the step still open.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-
-import torch.nn as nn
 
 
 @dataclass
@@ -70,27 +62,3 @@ class CommStats:
                     into.wait_seconds += add.wait_seconds
                     into.ready_when_waited += add.ready_when_waited
         return dict(total)
-
-
-@contextmanager
-def comm_stats(root: nn.Module) -> Iterator[CommStats]:
-    """Records the collectives of every group under ``root`` while open.
-
-    Args:
-        root: the outermost sharded module (the one whose forward you call).
-    """
-    from .state import get_fsdp_state
-
-    state = get_fsdp_state(root)
-    if state is None or state.is_root is False:
-        raise ValueError(
-            "comm_stats expects the root sharded module (the outermost module passed to "
-            f"fully_shard), got {type(root).__name__}."
-        )
-    stats = CommStats()
-    comm = state.ctx.comm
-    outer, comm.stats = comm.stats, stats
-    try:
-        yield stats
-    finally:
-        comm.stats = outer  # nested: the outer recorder takes over again

@@ -1,7 +1,17 @@
-"""``summary(model)``: one row per param group, to see how a model is sharded."""
+"""What a user sees of a sharded model: ``summary(model)``, one row per param
+group (how it is sharded), and ``comm_stats(model)``, what each group sent
+and how long compute waited for it.
+
+    with fsdp2.comm_stats(model) as stats:    # model: the root
+        for batch in batches:
+            train_step(batch)
+    print(stats.steps[-1]["layers.0"].all_gather.bytes)
+"""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -9,6 +19,7 @@ import torch.nn as nn
 
 from .param_group import FSDPParamGroup
 from .state import FSDPState, get_fsdp_state
+from .stats import CommStats
 
 
 @dataclass(frozen=True)
@@ -128,3 +139,25 @@ def _human(nbytes: int) -> str:
         if size < 1024:
             return f"{size:.1f} {unit}"
     return f"{size / 1024:.1f} GiB"
+
+
+@contextmanager
+def comm_stats(root: nn.Module) -> Iterator[CommStats]:
+    """Records the collectives of every group under ``root`` while open.
+
+    Args:
+        root: the outermost sharded module (the one whose forward you call).
+    """
+    state = get_fsdp_state(root)
+    if state is None or state.is_root is False:
+        raise ValueError(
+            "comm_stats expects the root sharded module (the outermost module passed to "
+            f"fully_shard), got {type(root).__name__}."
+        )
+    stats = CommStats()
+    comm = state.root_ctx.comm
+    outer, comm.stats = comm.stats, stats
+    try:
+        yield stats
+    finally:
+        comm.stats = outer  # nested: the outer recorder takes over again

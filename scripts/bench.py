@@ -32,6 +32,7 @@ import time
 from collections import defaultdict
 from collections.abc import Iterator
 from datetime import timedelta
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -45,7 +46,7 @@ from budget import print_budget, profile_budget, record  # noqa: E402 (the scrip
 
 CONTENDERS = ("fsdp2", "torch", "ddp", "floor")
 # --torch-collectives: fsdp2's engine with torch's own all-gather and
-# reduce-scatter on gloo instead of fsdp2.primitives' ([Note: collectives on gloo]).
+# reduce-scatter on gloo instead of its own ([Note: collectives on gloo]).
 TORCH_COLLECTIVES = "fsdp2, torch colls"
 
 
@@ -165,25 +166,37 @@ def shard(model: nn.Module, fully_shard, mesh, args: argparse.Namespace, mp_poli
 
 
 @contextlib.contextmanager
-def replaced(module, wrap) -> Iterator[None]:
-    """Replaces ``module.all_gather_single`` and ``reduce_scatter_single`` by
-    ``wrap(name, original)`` while active."""
-    names = ("all_gather_single", "reduce_scatter_single")
-    originals = {name: getattr(module, name) for name in names}
-    for name, original in originals.items():
-        setattr(module, name, wrap(name, original))
-    try:
+def replaced(wrap) -> Iterator[None]:
+    """Replaces torch's ``all_gather_single`` and ``reduce_scatter_single`` and
+    the ``all_gather`` and ``reduce_scatter`` of fsdp2's collectives (torch's
+    and gloo's, fsdp2/primitives.py) by ``wrap(name, original)`` while active;
+    ``name`` is torch's, the original takes torch's arguments."""
+    from fsdp2.primitives import Collectives, GlooCollectives
+
+    with contextlib.ExitStack() as stack:
+        for name in ("all_gather_single", "reduce_scatter_single"):
+            stack.enter_context(mock.patch.object(dist, name, wrap(name, getattr(dist, name))))
+            method = name.removesuffix("_single")
+            for cls in (Collectives, GlooCollectives):
+                stack.enter_context(
+                    mock.patch.object(
+                        cls, method, _wrapped_method(wrap, name, getattr(cls, method))
+                    )
+                )
         yield
-    finally:
-        for name, original in originals.items():
-            setattr(module, name, original)
 
 
-def count_bytes(module, run) -> dict[str, int]:
-    """Bytes passed to ``module``'s all-gather (output) and reduce-scatter
-    (input) during ``run()``: ``torch.distributed`` for torch's fully_shard,
-    ``fsdp2.primitives`` for fsdp2 (which on gloo builds them from other
-    collectives)."""
+def _wrapped_method(wrap, name, original):
+    def method(self, output, input, *args, **kwargs):
+        return wrap(name, functools.partial(original, self))(output, input, *args, **kwargs)
+
+    return method
+
+
+def count_bytes(run) -> dict[str, int]:
+    """Bytes passed to the all-gathers (output) and reduce-scatters (input)
+    of ``run()``: torch.distributed's for torch's fully_shard, those of
+    fsdp2's collectives for fsdp2 (on gloo built from other collectives)."""
     counted: dict[str, int] = defaultdict(int)
 
     def wrap(name, original):
@@ -194,7 +207,7 @@ def count_bytes(module, run) -> dict[str, int]:
 
         return counting
 
-    with replaced(module, wrap):
+    with replaced(wrap):
         run()
     return dict(counted)
 
@@ -303,7 +316,7 @@ def worker(rank: int, args: argparse.Namespace, store: str, result_path: str) ->
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
     import fsdp2
-    import fsdp2.primitives
+    from fsdp2.primitives import Collectives, GlooCollectives
 
     mesh = init_device_mesh("cpu", (args.world_size,))
     bf16 = args.mp == "bf16"
@@ -341,9 +354,11 @@ def worker(rank: int, args: argparse.Namespace, store: str, result_path: str) ->
     def train_step(name: str, step: int) -> float:
         if name != TORCH_COLLECTIVES:
             return run_step(name, step)
-        # fsdp2 calls torch's collectives once they are replaced ([Note:
-        # collectives on gloo]); these replacements only pass the call on.
-        with replaced(dist, lambda _, original: functools.partial(original)):
+        # fsdp2's engine, torch's collectives on the gloo group.
+        with (
+            mock.patch.object(GlooCollectives, "all_gather", Collectives.all_gather),
+            mock.patch.object(GlooCollectives, "reduce_scatter", Collectives.reduce_scatter),
+        ):
             return run_step(name, step)
 
     def run_step(name: str, step: int) -> float:
@@ -370,8 +385,8 @@ def worker(rank: int, args: argparse.Namespace, store: str, result_path: str) ->
         for name in contenders:
             train_step(name, step)
     comm_bytes = {
-        "fsdp2": count_bytes(fsdp2.primitives, lambda: train_step("fsdp2", 0)),
-        "torch": count_bytes(dist, lambda: train_step("torch", 0)),
+        "fsdp2": count_bytes(lambda: train_step("fsdp2", 0)),
+        "torch": count_bytes(lambda: train_step("torch", 0)),
     }
 
     times: dict[str, list[float]] = {k: [] for k in contenders}

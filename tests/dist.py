@@ -22,6 +22,7 @@ from datetime import timedelta
 from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any, NamedTuple
+from unittest import mock
 
 import perturb
 import torch
@@ -187,25 +188,35 @@ class Call(NamedTuple):
 
 
 @contextlib.contextmanager
-def recorded(name: str) -> Iterator[list[Call]]:
-    """Records each of fsdp2's collectives ``name`` (``all_gather_single``,
-    ``reduce_scatter_single``) made while active: every fsdp2 all-gather and
-    reduce-scatter goes through ``fsdp2.primitives`` and looks the name up at
-    call time; torch's fully_shard calls others."""
-    import fsdp2.primitives
+def wrapped_collectives(method: str, wrap: Callable[[Callable], Callable]) -> Iterator[None]:
+    """Replaces ``method`` ("all_gather", "reduce_scatter" or "all_reduce") of
+    fsdp2's collectives, torch's and gloo's (fsdp2/primitives.py), with
+    ``wrap(original)`` while active, in this process."""
+    from fsdp2.primitives import Collectives, GlooCollectives
 
+    classes = (Collectives, GlooCollectives)
+    originals = [getattr(cls, method) for cls in classes]
+    with contextlib.ExitStack() as stack:
+        for cls, original in zip(classes, originals, strict=True):
+            stack.enter_context(mock.patch.object(cls, method, wrap(original)))
+        yield
+
+
+@contextlib.contextmanager
+def recorded(method: str) -> Iterator[list[Call]]:
+    """Records each of fsdp2's collectives ``method`` ("all_gather",
+    "reduce_scatter") made while active; torch's fully_shard calls others."""
     calls: list[Call] = []
-    original = getattr(fsdp2.primitives, name)
 
-    def recording(output, input, group, *args, **kwargs):
-        calls.append(Call(output, input, group))
-        return original(output, input, group, *args, **kwargs)
+    def wrap(original: Callable) -> Callable:
+        def recording(self, output, input, *args, **kwargs):
+            calls.append(Call(output, input, self.process_group))
+            return original(self, output, input, *args, **kwargs)
 
-    setattr(fsdp2.primitives, name, recording)
-    try:
+        return recording
+
+    with wrapped_collectives(method, wrap):
         yield calls
-    finally:
-        setattr(fsdp2.primitives, name, original)
 
 
 @contextlib.contextmanager

@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-import fsdp2.primitives
+from fsdp2.primitives import Collectives, GlooCollectives
 
 ENV = "FSDP2_TEST_REDUCTION"
 
@@ -63,20 +63,21 @@ class _Done:
 
 
 def install_from_environment() -> None:
-    """Replaces fsdp2's reduce-scatter if ``FSDP2_TEST_REDUCTION`` is set (the
-    engine looks ``fsdp2.primitives.reduce_scatter_single`` up at call time)."""
+    """Replaces fsdp2's reduce-scatter (of every collectives class, for the rest
+    of this process) if ``FSDP2_TEST_REDUCTION`` is set."""
     mode = os.environ.get(ENV)
     if not mode:
         return
 
-    def reduce_scatter_single(
+    def reduce_scatter(
+        self: Collectives,
         output: torch.Tensor,
         input: torch.Tensor,
-        group: dist.ProcessGroup,
-        async_op: bool = False,
         op: dist.ReduceOp | dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+        async_op: bool = False,
     ) -> _Done | None:
         assert op == dist.ReduceOp.SUM, op  # gloo: fsdp2 sums and divides
+        group = self.process_group
         world_size, rank = group.size(), group.rank()
         gathered = input.new_empty(world_size * input.numel())
         dist.all_gather_single(gathered, input.reshape(-1), group=group)
@@ -84,4 +85,5 @@ def install_from_environment() -> None:
         output.view(-1).copy_(_reduction(mode, world_size)(rows))
         return _Done() if async_op else None
 
-    fsdp2.primitives.reduce_scatter_single = reduce_scatter_single  # type: ignore[assignment]
+    for cls in (Collectives, GlooCollectives):
+        cls.reduce_scatter = reduce_scatter  # type: ignore[method-assign]

@@ -210,7 +210,7 @@ class StreamModel(TorchDispatchMode):
         run its streams and events through this model."""
         for module in model.modules():
             if (state := get_fsdp_state(module)) is not None:
-                state.ctx.comm.use_device_ops(self)  # type: ignore[arg-type]
+                state.root_ctx.comm.use_device_ops(self)  # type: ignore[arg-type]
 
     # -- points, for overlap -------------------------------------------------
 

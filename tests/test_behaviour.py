@@ -55,7 +55,7 @@ class CollectiveCounts:
 def count_collectives() -> Iterator[CollectiveCounts]:
     """Counts the engine's all-gathers and reduce-scatters while active."""
     counts = CollectiveCounts()
-    with recorded("all_gather_single") as gathers, recorded("reduce_scatter_single") as reduces:
+    with recorded("all_gather") as gathers, recorded("reduce_scatter") as reduces:
         yield counts
         counts.all_gathers, counts.reduce_scatters = len(gathers), len(reduces)
 

@@ -204,7 +204,7 @@ def _cast_after_sharding(rank: int, world_size: int) -> None:
         bf16 = torch.bfloat16
         policy = fsdp2.MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16)
         model = shard_model(build_model("mlp").to(bf16), mp_policy=policy).to(torch.float32)
-        with recorded("reduce_scatter_single") as calls:
+        with recorded("reduce_scatter") as calls:
             inputs, targets = local_batch(global_batch("mlp", 0), rank, world_size)
             mean_loss(model, inputs, targets).backward()
         reduced_dtypes = [call.input.dtype for call in calls]

@@ -21,8 +21,9 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import _get_gradient_
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fsdp2
-import fsdp2.param_group
-from fsdp2.collectives import DividePlan, backend_for, divide_plan
+import fsdp2.primitives
+from fsdp2.collectives import DividePlan, divide_plan
+from fsdp2.primitives import backend_for
 
 SUM, AVG = dist.ReduceOp.SUM, dist.ReduceOp.AVG
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -128,7 +129,7 @@ def test_backend_for_the_device(
     """The backend of the group's collectives on the device, also when the
     group has one backend per device type (``init_process_group()`` on CUDA)."""
     monkeypatch.setattr(dist, "get_backend", lambda group: backend)
-    assert backend_for(None, torch.device(device)) == expected  # type: ignore[arg-type]
+    assert backend_for(None, device) == expected  # type: ignore[arg-type]
 
 
 class RecordingReduceScatter(fsdp2.ReduceScatter):
@@ -161,7 +162,7 @@ def _backward_ops(
 ) -> tuple[list, list, int]:
     """One backward of the MLP on a fake world whose backend reads as
     ``backend``: the reduce-scatters' ops, the all-reduces' ops, the divisions."""
-    monkeypatch.setattr(fsdp2.param_group, "backend_for", lambda group, device: backend)
+    monkeypatch.setattr(fsdp2.primitives, "backend_for", lambda group, device_type: backend)
     all_reduces: list = []
     all_reduce = dist.all_reduce
 

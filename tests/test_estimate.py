@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from dist import run_ranks
+from dist import run_ranks, wrapped_collectives
 from torch.distributed.device_mesh import init_device_mesh
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
@@ -22,7 +22,6 @@ import estimate  # noqa: E402
 import llama  # noqa: E402
 
 import fsdp2  # noqa: E402
-import fsdp2.primitives  # noqa: E402
 
 CONFIG = estimate.PRESETS["small"]
 BATCH, SEQ = 4, 64
@@ -48,27 +47,27 @@ def _measure(rank: int, world_size: int, out: str) -> None:
         optim.zero_grad()
 
     step()  # optimizer states exist from here on, as in every later step
-    sent = {"all_gather_single": 0, "reduce_scatter_single": 0}
-    originals = {name: getattr(fsdp2.primitives, name) for name in sent}
+    sent = {"all_gather": 0, "reduce_scatter": 0}
 
     def counting(name):
-        def collective(output, input, *args, **kwargs):
-            big = output if name == "all_gather_single" else input
-            sent[name] += big.numel() * big.element_size()
-            return originals[name](output, input, *args, **kwargs)
+        def wrap(original):
+            def collective(self, output, input, *args, **kwargs):
+                big = output if name == "all_gather" else input
+                sent[name] += big.numel() * big.element_size()
+                return original(self, output, input, *args, **kwargs)
 
-        return collective
+            return collective
 
-    for name in sent:
-        setattr(fsdp2.primitives, name, counting(name))
+        return wrap
+
     tracker = MemTracker()
     tracker.track_external(model, optim)
-    try:
-        with tracker:
-            step()
-    finally:
-        for name, original in originals.items():
-            setattr(fsdp2.primitives, name, original)
+    with (
+        wrapped_collectives("all_gather", counting("all_gather")),
+        wrapped_collectives("reduce_scatter", counting("reduce_scatter")),
+        tracker,
+    ):
+        step()
     peak = sum(d["Total"] for d in tracker.get_tracker_snapshot("peak").values())
     if rank == 0:
         Path(out).write_text(json.dumps({"peak": int(peak), **sent}))
@@ -83,7 +82,7 @@ def test_estimate_matches_measured(world_size: int, tmp_path: Path) -> None:
     predicted = estimate.estimate(CONFIG, world_size, BATCH, SEQ)
     assert not dist.is_initialized()  # the fake group is gone again
     # Communication is exact: fsdp2's own padded sizes.
-    assert predicted.all_gather_bytes == measured["all_gather_single"]
-    assert predicted.reduce_scatter_bytes == measured["reduce_scatter_single"]
+    assert predicted.all_gather_bytes == measured["all_gather"]
+    assert predicted.reduce_scatter_bytes == measured["reduce_scatter"]
     ratio = predicted.peak_bytes / measured["peak"]
     assert abs(ratio - 1) <= 0.05, f"estimated {predicted.peak_bytes}, measured {measured['peak']}"

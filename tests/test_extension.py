@@ -85,7 +85,7 @@ def _quantized_training(rank: int, world_size: int) -> None:
                 x, y = torch.randn(8, DIM, generator=gen), torch.randn(8, OUT, generator=gen)
                 ref_loss = F.mse_loss(ref(x), y)
                 ref_loss.backward()
-                with recorded("all_gather_single") as calls:
+                with recorded("all_gather") as calls:
                     loss = F.mse_loss(model(x.chunk(world_size)[rank]), y.chunk(world_size)[rank])
                     loss.backward()
                 dtypes = [call.output.dtype for call in calls]

@@ -37,7 +37,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.testing import assert_close
 
 import fsdp2
-from fsdp2.state import RootContext
+from fsdp2.reduction import ReductionPipeline
 
 
 def _fsdp_modules(model: nn.Module) -> list[fsdp2.FSDPModule]:
@@ -149,7 +149,7 @@ def _unshard_in_backward(rank: int, world_size: int) -> None:
         ref_loss.backward()
         counts = []
         for model in models:
-            with recorded("all_gather_single") as calls:
+            with recorded("all_gather") as calls:
                 loss = mean_loss(model, *local_batch(batch, rank, world_size))
                 loss.backward()
             counts.append(len(calls))
@@ -289,20 +289,20 @@ def _custom_collectives(rank: int, world_size: int) -> None:
 def _in_flight_and_groups(rank: int, world_size: int) -> None:
     with labelled("two reduce-scatters in flight"):
         peaks: list[int] = []
-        make_room = RootContext.make_room_for_reduce_scatter
+        make_room = ReductionPipeline.make_room
 
-        def recording(ctx: RootContext) -> None:
-            make_room(ctx)
-            peaks.append(len(ctx.reduce_scatters_in_flight) + 1)
+        def recording(pipeline: ReductionPipeline) -> None:
+            make_room(pipeline)
+            peaks.append(len(pipeline.reduce_scatters) + 1)
 
         default = shard_model(build_model("mlp"))
         wide = shard_model(build_model("mlp"))
         wide.set_reduce_scatter_max_input_buffers(2)
-        RootContext.make_room_for_reduce_scatter = recording
+        ReductionPipeline.make_room = recording  # type: ignore[method-assign]
         try:
             _train_pair(rank, world_size, [default, wide])
         finally:
-            RootContext.make_room_for_reduce_scatter = make_room
+            ReductionPipeline.make_room = make_room  # type: ignore[method-assign]
         assert max(peaks) == 2, peaks
         for bad, error in ((0, ValueError), (True, TypeError), (1.5, TypeError)):
             with pytest.raises(error, match="max_input_buffers must be"):
@@ -311,12 +311,14 @@ def _in_flight_and_groups(rank: int, world_size: int) -> None:
         default = shard_model(build_model("mlp"))
         separate = shard_model(build_model("mlp"))
         separate.set_separate_reduce_scatter_group()
-        with recorded("reduce_scatter_single") as calls:
+        with recorded("reduce_scatter") as calls:
             _train_pair(rank, world_size, [default, separate])
         groups = {id(call.group) for call in calls}
         assert len(groups) == 2, "the default model's group and the separate one"
         shard_group = separate.layers[0]._fsdp_state.mesh_info.shard_group
-        rs_group = separate.layers[0]._fsdp_state.param_groups[0].reduce_scatter_group
+        rs_group = (
+            separate.layers[0]._fsdp_state.param_groups[0].reduce_scatter_collectives.process_group
+        )
         assert rs_group is not shard_group
         assert dist.get_process_group_ranks(rs_group) == dist.get_process_group_ranks(shard_group)
     with labelled("share_comm_ctx"):
@@ -329,7 +331,7 @@ def _in_flight_and_groups(rank: int, world_size: int) -> None:
             fsdp2.fully_shard(chunk[0])
             fsdp2.fully_shard(chunk)
         fsdp2.share_comm_ctx([first, second])
-        assert first._fsdp_state.ctx.comm is second._fsdp_state.ctx.comm
+        assert first._fsdp_state.root_ctx.comm is second._fsdp_state.root_ctx.comm
         optims = [make_optimizer(m) for m in (ref, first, second)]
         for step in range(2):
             inputs, targets = global_batch("mlp", step)
@@ -342,7 +344,9 @@ def _in_flight_and_groups(rank: int, world_size: int) -> None:
             for optim in optims:
                 optim.step()
                 optim.zero_grad()
-        assert second._fsdp_state.ctx.comm is first._fsdp_state.ctx.comm  # after lazy init
+        assert (
+            second._fsdp_state.root_ctx.comm is first._fsdp_state.root_ctx.comm
+        )  # after lazy init
 
 
 @pytest.mark.distributed

@@ -248,7 +248,7 @@ def _collective_counts(rank: int, world_size: int) -> None:
             with (
                 labelled(f"tied={tied}, step {step}"),
                 fsdp2.comm_stats(model) as stats,
-                recorded("all_gather_single") as all_gathers,
+                recorded("all_gather") as all_gathers,
             ):
                 loss = lm_loss(model, *local_batch(global_batch(TOKENS, step), rank, world_size))
                 forward = stats.totals()[name]
@@ -455,7 +455,7 @@ def test_list_forms_one_group_under_the_root(mesh: DeviceMesh) -> None:
     # The tied weight stays one parameter, in the head group, not the root's.
     assert model.tok_embeddings.weight is model.output.weight
     (group,) = state.param_groups
-    assert [len(p.slots) for p in group.fsdp_params] == [2, 1, 1]
+    assert [len(p.registrations) for p in group.fsdp_params] == [2, 1, 1]
     assert [p.fqn for p in model._fsdp_state.param_groups[0].fsdp_params] == [
         "pos_embeddings.weight"
     ]
@@ -472,7 +472,7 @@ def test_list_forms_one_group_under_the_root(mesh: DeviceMesh) -> None:
         "norm.bias",
     ]
     assert group.name == "tok_embeddings, norm, output"
-    assert len(model._fsdp_state.ctx.groups) == 4, "the head group must be counted once"
+    assert len(model._fsdp_state.root_ctx.groups) == 4, "the head group must be counted once"
 
     rows = fsdp2.summary(model, print_table=False)
     assert [r.module for r in rows] == [

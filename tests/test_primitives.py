@@ -4,8 +4,9 @@ in fsdp2/primitives.py) against torch's own, on 1 to 4 ranks.
 Inputs are small integers, so every sum is exact in any order and the results
 must be equal to torch's bit for bit; fsdp2's path is seen to run (W
 broadcasts, W - 1 sends and receives), also under CommDebugMode on one rank,
-which counts it as torch's all-gather and reduce-scatter;
-replaced torch collectives are called instead; and a user's point-to-point
+which counts it as torch's all-gather and reduce-scatter; the choice
+follows the group's backend, and torch's path calls ``torch.distributed``'s
+functions (replaced ones too); and a user's point-to-point
 messages on the same group while fsdp2's reduce-scatter is in flight are not
 mixed up with its rows.
 """
@@ -58,6 +59,8 @@ def _calls_of(*names: str) -> Iterator[dict[str, int]]:
 
 def _check_against_torch(rank: int, world_size: int) -> None:
     group = dist.group.WORLD
+    collectives = primitives.collectives_for(group, "cpu")
+    assert isinstance(collectives, primitives.GlooCollectives), type(collectives)
     shard_numel = 6  # per rank
     for salt, dtype in enumerate(DTYPES):
         for async_op in (True, False):
@@ -75,7 +78,7 @@ def _check_against_torch(rank: int, world_size: int) -> None:
                     else:
                         input = mine
                     with _calls_of("broadcast") as calls:
-                        work = primitives.all_gather_single(output, input, group, async_op)
+                        work = collectives.all_gather(output, input, async_op)
                     assert calls == {"broadcast": world_size}, calls
                     assert (work is None) == (not async_op)
                     if work is not None:
@@ -88,7 +91,7 @@ def _check_against_torch(rank: int, world_size: int) -> None:
                 dist.reduce_scatter_single(expected, full.clone(), group=group)
                 output = torch.full_like(expected, 99)
                 with _calls_of("isend", "irecv") as calls:
-                    work = primitives.reduce_scatter_single(output, full, group, async_op)
+                    work = collectives.reduce_scatter(output, full, async_op=async_op)
                 peers = world_size - 1
                 assert calls == {"isend": peers, "irecv": peers}, calls
                 if work is not None:
@@ -101,7 +104,7 @@ def _check_against_torch(rank: int, world_size: int) -> None:
     with labelled("bytes: uint8 all-gather (fsdp2's buffer for float8 and mixed dtypes)"):
         mine = torch.arange(5, dtype=torch.uint8) + 10 * rank
         output = torch.empty(world_size * 5, dtype=torch.uint8)
-        primitives.all_gather_single(output, mine, group)
+        collectives.all_gather(output, mine)
         expected = torch.cat(
             [torch.arange(5, dtype=torch.uint8) + 10 * r for r in range(world_size)]
         )
@@ -111,40 +114,37 @@ def _check_against_torch(rank: int, world_size: int) -> None:
 def _observation_does_not_change_the_protocol(rank: int, world_size: int) -> None:
     """CommDebugMode on rank 0 only (a dispatch mode that torch's fully_shard
     does not care about) leaves fsdp2's path alone: the ranks still agree, and
-    it counts one all-gather and one reduce-scatter, as torch's would. A
-    replaced dist.all_gather_single / reduce_scatter_single (on every rank, as
-    torch's test helpers do) is called instead of fsdp2's path."""
+    it counts one all-gather and one reduce-scatter, as torch's would."""
     group = dist.group.WORLD
+    collectives = primitives.collectives_for(group, "cpu")
     full = torch.arange(2.0 * world_size) + rank
     expected = torch.empty(2)
     dist.reduce_scatter_single(expected, full.clone(), group=group)
-    with labelled("CommDebugMode on rank 0 only"):
-        output, reduced = torch.empty(2 * world_size), torch.empty(2)
-        with CommDebugMode() if rank == 0 else contextlib.nullcontext() as comm:
-            primitives.all_gather_single(output, torch.full((2,), float(rank)), group)
-            primitives.reduce_scatter_single(reduced, full, group)
-        assert_close(output, torch.arange(world_size).repeat_interleave(2).float())
-        assert_close(reduced, expected, rtol=0, atol=0)
-        if rank == 0:  # what torch's collectives would show, not fsdp2's broadcasts and sends
-            counts = comm.get_comm_counts()
-            assert counts == {c10d_ops._allgather_base_: 1, c10d_ops._reduce_scatter_base_: 1}, (
-                counts
-            )
-    with labelled("a replaced dist.all_gather_single / reduce_scatter_single is called"):
-        with _calls_of("all_gather_single", "reduce_scatter_single") as calls:
-            primitives.all_gather_single(output, torch.ones(2), group)
-            primitives.reduce_scatter_single(reduced, full, group)
-        assert calls == {"all_gather_single": 1, "reduce_scatter_single": 1}, calls
-        assert_close(output, torch.ones(2 * world_size))
-        assert_close(reduced, expected, rtol=0, atol=0)
-
-
-def _torch_collectives_by_environment(rank: int, world_size: int) -> None:
-    group = dist.group.WORLD
     output, reduced = torch.empty(2 * world_size), torch.empty(2)
-    with CommDebugMode() as comm:
-        primitives.all_gather_single(output, torch.full((2,), float(rank)), group)
-        primitives.reduce_scatter_single(reduced, torch.ones(2 * world_size), group)
+    with CommDebugMode() if rank == 0 else contextlib.nullcontext() as comm:
+        collectives.all_gather(output, torch.full((2,), float(rank)))
+        collectives.reduce_scatter(reduced, full)
+    assert_close(output, torch.arange(world_size).repeat_interleave(2).float())
+    assert_close(reduced, expected, rtol=0, atol=0)
+    if rank == 0:  # what torch's collectives would show, not fsdp2's broadcasts and sends
+        counts = comm.get_comm_counts()
+        assert counts == {c10d_ops._allgather_base_: 1, c10d_ops._reduce_scatter_base_: 1}, counts
+
+
+def _torch_collectives_on_gloo(rank: int, world_size: int) -> None:
+    """torch's collectives on a gloo group (``Collectives``, what every other
+    backend gets): ``torch.distributed``'s functions, looked up at call time,
+    as CommDebugMode counts them."""
+    group = dist.group.WORLD
+    collectives = primitives.Collectives(group, "gloo")
+    output, reduced = torch.empty(2 * world_size), torch.empty(2)
+    with (
+        _calls_of("all_gather_single", "reduce_scatter_single") as calls,
+        CommDebugMode() as comm,
+    ):
+        collectives.all_gather(output, torch.full((2,), float(rank)))
+        collectives.reduce_scatter(reduced, torch.ones(2 * world_size))
+    assert calls == {"all_gather_single": 1, "reduce_scatter_single": 1}, calls
     counts = comm.get_comm_counts()
     assert counts[c10d_ops._allgather_base_] == 1, counts
     assert counts[c10d_ops._reduce_scatter_base_] == 1, counts
@@ -190,11 +190,12 @@ def _user_messages_during_reduce_scatter(rank: int, world_size: int) -> None:
     dist.reduce_scatter_single(expected, full.clone(), group=group)
     output = torch.empty(4)
     message = torch.full((4,), 1000.0)
+    collectives = primitives.collectives_for(group, "cpu")
     if rank == 0:
         user = dist.irecv(message, src=1)
-        work = primitives.reduce_scatter_single(output, full, group, async_op=True)
+        work = collectives.reduce_scatter(output, full, async_op=True)
     else:
-        work = primitives.reduce_scatter_single(output, full, group, async_op=True)
+        work = collectives.reduce_scatter(output, full, async_op=True)
         user = dist.isend(message.add_(1), dst=0)
     user.wait()
     work.wait()
@@ -214,7 +215,7 @@ def test_gloo_collectives_equal_torch(world_size: int, tmp_path: Path) -> None:
 @pytest.mark.distributed
 def test_observation_does_not_change_the_protocol(tmp_path: Path) -> None:
     """A dispatch mode on one rank does not change fsdp2's collectives (the
-    ranks would part); replaced torch collectives are called."""
+    ranks would part)."""
     run_ranks(_observation_does_not_change_the_protocol, 2, tmp_path)
 
 
@@ -226,13 +227,34 @@ def test_comm_debug_mode_counts_training_as_torch(tmp_path: Path) -> None:
 
 
 @pytest.mark.distributed
-def test_environment_selects_torch_collectives(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+def test_torch_collectives_on_a_gloo_group(tmp_path: Path) -> None:
+    """torch's path calls torch.distributed's collectives (a replaced one too),
+    as CommDebugMode counts them."""
+    run_ranks(_torch_collectives_on_gloo, 2, tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("backend", "device_type", "chosen", "backend_for_device"),
+    [
+        ("gloo", "cpu", "GlooCollectives", "gloo"),
+        ("cpu:gloo,cuda:nccl", "cpu", "GlooCollectives", "gloo"),
+        ("cpu:gloo,cuda:nccl", "cuda", "Collectives", "nccl"),
+        ("nccl", "cuda", "Collectives", "nccl"),
+        ("fake", "cpu", "Collectives", "fake"),
+    ],
+)
+def test_collectives_chosen_from_the_backend(
+    monkeypatch: pytest.MonkeyPatch,
+    backend: str,
+    device_type: str,
+    chosen: str,
+    backend_for_device: str,
 ) -> None:
-    """FSDP2_TORCH_COLLECTIVES=1 on every rank: torch's collectives, as
-    CommDebugMode counts them."""
-    monkeypatch.setenv("FSDP2_TORCH_COLLECTIVES", "1")
-    run_ranks(_torch_collectives_by_environment, 2, tmp_path)
+    """fsdp2's own collectives on a CPU gloo group only; torch's everywhere else."""
+    monkeypatch.setattr(dist, "get_backend", lambda group: backend)
+    collectives = primitives.collectives_for(None, device_type)  # type: ignore[arg-type]
+    assert type(collectives).__name__ == chosen
+    assert collectives.backend == backend_for_device
 
 
 @pytest.mark.distributed

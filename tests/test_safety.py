@@ -194,7 +194,7 @@ def _order_error_on_first_iteration(
         model.order = orders[rank]
         batch = local_batch(global_batch(0), rank, world_size)
         with (
-            recorded("all_gather_single") as count,
+            recorded("all_gather") as count,
             pytest.raises(RuntimeError, match="execution order check") as error,
         ):
             train_step(model, make_optimizer(model), batch)
@@ -258,7 +258,7 @@ def _execution_order(rank: int, world_size: int) -> None:
     def step(i: int, order: list[int] | None, expected_all_gathers: int) -> None:
         model.order = order
         ref_loss = ref_step(ref, optims[0], i, [order] * world_size)
-        with recorded("all_gather_single") as count:
+        with recorded("all_gather") as count:
             loss = train_step(model, optims[1], local_batch(global_batch(i), rank, world_size))
         assert_close(global_mean(loss, world_size), ref_loss, **REF_TOL)
         assert len(count) == expected_all_gathers, f"step {i}: {len(count)} all_gather_single calls"
@@ -412,7 +412,7 @@ def test_order_check_is_off_by_default(fake_mesh: DeviceMesh) -> None:
     assert os.environ.get("TORCH_DISTRIBUTED_DEBUG", "") != "DETAIL"
     model = shard_net(build_net(), fake_mesh)
     model._fsdp_state.lazy_init()
-    assert model._fsdp_state.ctx.order_check is None
+    assert model._fsdp_state.root_ctx.order_check is None
 
 
 def test_debug_env_set_before_first_forward_turns_check_on(
@@ -421,7 +421,7 @@ def test_debug_env_set_before_first_forward_turns_check_on(
     model = shard_net(build_net(), fake_mesh)
     monkeypatch.setenv("TORCH_DISTRIBUTED_DEBUG", "DETAIL")
     model._fsdp_state.lazy_init()  # what the first forward does first
-    assert model._fsdp_state.ctx.order_check is not None
+    assert model._fsdp_state.root_ctx.order_check is not None
 
 
 def _one_rank_mesh() -> DeviceMesh:
@@ -550,7 +550,9 @@ def _check_idle_and_sharded(model: nn.Module, *, storage: bool = True) -> None:
         assert not _has_grads(group), f"{where}: gradients left"
         for p in group.fsdp_params:
             assert not storage or p.unsharded_storage_bytes == 0, f"{p} holds unsharded storage"
-    assert not model._fsdp_state.ctx.reduce_scatter_in_flight, "reduce-scatter in flight"
+    assert not model._fsdp_state.root_ctx.reductions.reduce_scatter_in_flight, (
+        "reduce-scatter in flight"
+    )
     for name, param in model.named_parameters():
         assert isinstance(param, DTensor), f"{name} is a {type(param).__name__}"
         assert param.grad is None, f"{name} has a gradient"
@@ -567,7 +569,7 @@ def _check_left_over(model: nn.Module, phase: str, block: int) -> None:
         return
     assert groups[f"layers.{block}"].training_state is TrainingState.PRE_BACKWARD
     # The block after it in forward was reduce-scattered: still in flight.
-    assert model._fsdp_state.ctx.reduce_scatter_in_flight
+    assert model._fsdp_state.root_ctx.reductions.reduce_scatter_in_flight
     if block == 1:
         # Its pre-backward prefetched layers.0.
         assert groups["layers.0"].all_gather_in_flight

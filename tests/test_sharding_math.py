@@ -25,18 +25,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from fsdp2 import MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from fsdp2.collectives import (
-    all_gather,
-    assign_sharded_grads,
-    average,
-    copy_out,
-    divide_plan,
-    reduce_scatter,
-)
+from fsdp2.collectives import all_gather, copy_out, divide_plan, reduce_scatter
 from fsdp2.comm import InFlight
 from fsdp2.common import MeshInfo, chunk_rows
 from fsdp2.param import FSDPParam
+from fsdp2.primitives import collectives_for
 from fsdp2.private_api import chunk_cat_
+from fsdp2.reduction import assign_sharded_grads, average
 
 MAX_WORLD_SIZE = 8
 CPU = torch.device("cpu")
@@ -139,7 +134,7 @@ def all_gather_round_trip(origs: list[torch.Tensor], mesh: DeviceMesh) -> list[l
                 [x for p in params for x in p.all_gather_inputs()],
                 [slot for p in params for slot in p.all_gather_slots],
                 params[0].param_dtype,
-                mesh.get_group(0),
+                collectives_for(mesh.get_group(0), "cpu"),
                 rank,
                 world_size,
                 SyncComm(),  # type: ignore[arg-type]
@@ -311,7 +306,14 @@ def test_reduce_scatter_gives_each_rank_its_chunk_of_the_mean(
     plan = divide_plan("gloo", dtype, world_size)  # a mean over the ranks
     with recording("reduce_scatter_single") as calls:
         results = [
-            reduce_scatter(params, grads, mesh.get_group(0), world_size, plan, SyncComm())  # type: ignore[arg-type]
+            reduce_scatter(
+                params,
+                grads,
+                collectives_for(mesh.get_group(0), "cpu"),
+                world_size,
+                plan,
+                SyncComm(),
+            )  # type: ignore[arg-type]
             for params, grads in zip(per_rank, grads_per_rank, strict=True)
         ]
     if world_size == 1:  # a world of one rank exchanges nothing: the input is the output
@@ -362,7 +364,9 @@ def test_reduce_scatter_with_zero_row_gradient(meshes: dict[int, DeviceMesh]) ->
     grads = random_tensors(shapes_, torch.float32, 1)
     plan = divide_plan("gloo", torch.float32, 4)
     with recording("reduce_scatter_single") as calls:
-        result = reduce_scatter(params, grads, mesh.get_group(0), 4, plan, SyncComm())  # type: ignore[arg-type]
+        result = reduce_scatter(
+            params, grads, collectives_for(mesh.get_group(0), "cpu"), 4, plan, SyncComm()
+        )  # type: ignore[arg-type]
     output, input, _ = calls[0]
     output.copy_(input.view(4, -1)[0] * 4)  # every rank sent the same gradients
     average(result)
@@ -427,7 +431,9 @@ def test_replicated_gradients_follow_the_sharded_ones_in_a_world_of_one(
     grads = random_tensors([(5, 3), (4,)], torch.float32, 1)
     plan = divide_plan("gloo", torch.float32, 1)
     with recording("reduce_scatter_single") as calls:
-        result = reduce_scatter(params, grads, mesh.get_group(0), 1, plan, SyncComm())  # type: ignore[arg-type]
+        result = reduce_scatter(
+            params, grads, collectives_for(mesh.get_group(0), "cpu"), 1, plan, SyncComm()
+        )  # type: ignore[arg-type]
     assert calls == []
     assert result.output.numel() == 5 * 3 + 4
     average(result)

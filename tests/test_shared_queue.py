@@ -12,7 +12,7 @@ import fsdp2
 
 
 def _in_flight(*roots: torch.nn.Module) -> int:
-    queues = {id(q): q for q in (r._fsdp_state.ctx.reduce_scatters_in_flight for r in roots)}
+    queues = {id(q): q for q in (r._fsdp_state.root_ctx.reductions.reduce_scatters for r in roots)}
     return sum(len(q) for q in queues.values())
 
 

@@ -108,7 +108,7 @@ def _train_both(rank: int, models: tuple[nn.Module, nn.Module], out_dim: int):
         y = torch.randn(4 * WORLD_SIZE, out_dim, generator=gen).chunk(WORLD_SIZE)[rank]
         step_losses = []
         for i, model in enumerate(models):
-            with recorded("all_gather_single") as calls:
+            with recorded("all_gather") as calls:
                 loss = F.mse_loss(model(x), y)
                 loss.backward()
             if i == 0:  # fsdp2's (torch's fully_shard calls another collective)

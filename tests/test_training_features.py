@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from dist import fake_world, labelled, run_ranks
+from dist import fake_world, labelled, run_ranks, wrapped_collectives
 from error_model import (
     EXACT,
     REF_TOL,
@@ -60,7 +60,6 @@ from torch.testing._internal.distributed._tensor.common_dtensor import (
 )
 
 import fsdp2
-from fsdp2 import primitives
 from fsdp2.common import ShardedState
 
 WORLD_SIZE = 2
@@ -84,27 +83,25 @@ class Collective:
 def record_collectives() -> Iterator[list[Collective]]:
     """Records fsdp2's all-gathers and reduce-scatters while active."""
     log: list[Collective] = []
-    all_gather, reduce_scatter = primitives.all_gather_single, primitives.reduce_scatter_single
 
-    def record(kind: str, buffer: torch.Tensor, group: dist.ProcessGroup) -> None:
-        ranks = tuple(dist.get_process_group_ranks(group))
-        log.append(Collective(kind, buffer.numel() * buffer.element_size(), buffer.dtype, ranks))
+    def recording(kind: str):
+        def wrap(original):
+            def collective(self, output, input, *args, **kwargs):
+                buffer = output if kind == "all_gather" else input
+                ranks = tuple(dist.get_process_group_ranks(self.process_group))
+                nbytes = buffer.numel() * buffer.element_size()
+                log.append(Collective(kind, nbytes, buffer.dtype, ranks))
+                return original(self, output, input, *args, **kwargs)
 
-    def recording_all_gather(output, input, group, *args, **kwargs):
-        record("all_gather", output, group)
-        return all_gather(output, input, group, *args, **kwargs)
+            return collective
 
-    def recording_reduce_scatter(output, input, group, *args, **kwargs):
-        record("reduce_scatter", input, group)
-        return reduce_scatter(output, input, group, *args, **kwargs)
+        return wrap
 
-    primitives.all_gather_single = recording_all_gather
-    primitives.reduce_scatter_single = recording_reduce_scatter
-    try:
+    with (
+        wrapped_collectives("all_gather", recording("all_gather")),
+        wrapped_collectives("reduce_scatter", recording("reduce_scatter")),
+    ):
         yield log
-    finally:
-        primitives.all_gather_single = all_gather
-        primitives.reduce_scatter_single = reduce_scatter
 
 
 def _of_kind(log: list[Collective], kind: str) -> list[Collective]:

@@ -1,0 +1,260 @@
+"""The gradient reduction pipeline of one root: from a group's post-backward
+to the sharded gradients.
+
+    post_backward(group)   take the unsharded grads, reshard, make room in
+                           the queue, start the reduce-scatter (and, on
+                           accelerators for HSDP, the all-reduce after it)
+    oldest finished        HSDP: all-reduce across replicas (or keep the
+                           shard-group sums, set_requires_all_reduce(False))
+    assign                 divide what the plan left to divide, run the
+                           all-reduce hook, accumulate the sharded grads
+    finish_backward        the final callback's work: stragglers'
+                           post-backward, drain the queues, one host sync
+
+At most ``max_input_buffers`` reduce-scatters are in flight (each holds an
+input buffer the size of its group's gradients), so a group's reduction
+overlaps the next groups' backward while memory stays bounded. Roots joined by
+``share_comm_ctx`` share the reduce-scatter queue; each entry names the
+pipeline that finishes it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Iterable
+from typing import NamedTuple
+
+import torch
+
+from .collectives import ReduceInFlight, all_reduce
+from .device_ops import DeviceOps
+from .offload import HostCopy
+from .param_group import FSDPParamGroup, GroupContext
+from .private_api import profiled
+
+logger = logging.getLogger("fsdp2")
+
+
+class QueuedReduction(NamedTuple):
+    pipeline: ReductionPipeline  # whose root finishes it
+    group: FSDPParamGroup
+    reduced: ReduceInFlight
+
+
+class ReductionPipeline:
+    """The reductions in flight under one root, oldest first."""
+
+    def __init__(self, root_ctx: GroupContext) -> None:
+        self.root_ctx = root_ctx  # its comm context and order check
+        self.reduce_scatters: deque[QueuedReduction] = deque()  # shared by share_comm_ctx
+        # HSDP all-reduces across replicas: one on CPU, every group's on accelerators.
+        self.all_reduces: deque[tuple[FSDPParamGroup, ReduceInFlight]] = deque()
+        # Reductions whose all-reduce hook runs on a stream of its own: assigned
+        # once the current stream has waited for the event after the hook.
+        self.hooks: deque[tuple[ReduceInFlight, torch.Event]] = deque()
+        # The largest of the groups' set_reduce_scatter_max_input_buffers (lazy init).
+        self.max_input_buffers = 1
+        # False: the end of this backward leaves its last reduce-scatter in flight
+        # (set_is_last_backward, for micro-batch and pipeline schedules).
+        self.is_last_backward = True
+
+    @property
+    def reduce_scatter_in_flight(self) -> bool:
+        return bool(self.reduce_scatters)
+
+    def post_backward(self, group: FSDPParamGroup) -> None:
+        """A group's gradients are complete: reduce-scatters them (or keeps
+        them, without gradient sync) and reshards."""
+        with profiled("post_backward", group.name):
+            taken = group.take_grads()
+            if taken is None:
+                return
+            self.make_room()
+            if taken.grads:
+                reduced = self._start_all_reduce_early(group, group.reduce_scatter(taken))
+                self.reduce_scatters.append(QueuedReduction(self, group, reduced))
+
+    def make_room(self) -> None:
+        """Finishes the oldest reduce-scatters until another may start."""
+        while len(self.reduce_scatters) >= self.max_input_buffers:
+            self._finish_oldest_reduce_scatter()
+
+    def finish_reduce_scatters(self) -> None:
+        while self.reduce_scatters:
+            self._finish_oldest_reduce_scatter()
+
+    def _finish_oldest_reduce_scatter(self) -> None:
+        queued = self.reduce_scatters.popleft()
+        queued.pipeline._finish_reduce_scatter(queued.group, queued.reduced)
+
+    def _finish_reduce_scatter(self, group: FSDPParamGroup, reduced: ReduceInFlight) -> None:
+        """Waits for a reduce-scatter, then assigns its gradients, or (HSDP)
+        starts their all-reduce across replicas (one in flight: starting the
+        next finishes the previous), or keeps them for a later one."""
+        reduced.wait()
+        if reduced.all_reduce is not None:  # issued with the reduce-scatter (accelerators)
+            self.all_reduces.append(
+                (group, reduced._replace(buffers=(), in_flight=(reduced.all_reduce,)))
+            )
+            return
+        replicate = group.mesh_info.replicate_collectives
+        if replicate is None:
+            self._assign(group, reduced)
+        elif not group.requires_all_reduce:
+            _keep_partial_grads(reduced)
+        else:
+            _add_partial_grads(reduced)
+            self.finish_all_reduces()
+            self._check_all_reduce(group, reduced)
+            self.all_reduces.append(
+                (group, all_reduce(reduced, replicate, self.root_ctx.comm, group.name))
+            )
+
+    def _start_all_reduce_early(
+        self, group: FSDPParamGroup, reduced: ReduceInFlight
+    ) -> ReduceInFlight:
+        """Accelerators, HSDP: issues the all-reduce across replicas right after
+        the reduce-scatter, ordered after its event only, so that it overlaps
+        the next groups' backward (on CPU gloo would block the host on the
+        reduce-scatter first). Partial sums kept from a backward without
+        all-reduce are added after the reduce-scatter instead, the CPU way."""
+        replicate = group.mesh_info.replicate_collectives
+        if (
+            not self.root_ctx.comm.uses_streams
+            or replicate is None
+            or not group.requires_all_reduce
+            or any(p.partial_grad is not None for p in reduced.fsdp_params)
+        ):
+            return reduced
+        self._check_all_reduce(group, reduced)
+        early = all_reduce(reduced, replicate, self.root_ctx.comm, group.name, reduced.in_flight)
+        return reduced._replace(all_reduce=early.in_flight[0])
+
+    def _check_all_reduce(self, group: FSDPParamGroup, reduced: ReduceInFlight) -> None:
+        check, replicate = self.root_ctx.order_check, group.mesh_info.replicate_collectives
+        if check is not None and replicate is not None:
+            check.before_collective("all-reduce", group.position, replicate, reduced.output.numel())
+            check.record("all-reduce", group.position, in_training=True)
+
+    def finish_all_reduces(self) -> None:
+        while self.all_reduces:
+            group, reduced = self.all_reduces.popleft()
+            reduced.wait()
+            self._assign(group, reduced)
+
+    def _assign(self, group: FSDPParamGroup, reduced: ReduceInFlight) -> None:
+        """Divides a finished reduction as its plan says, runs the group's
+        all-reduce hook on it (``set_all_reduce_hook``) and accumulates the
+        sharded gradients."""
+        comm = self.root_ctx.comm
+        with profiled("assign_grads", group.name):
+            average(reduced)
+            if group.all_reduce_hook is not None:
+                hook, stream = group.all_reduce_hook, group.all_reduce_hook_stream
+                event = comm.run_hook(hook, reduced.output, stream)
+                if event is not None:
+                    # The hook's stream overlaps the rest of backward: assigned at its end.
+                    # The reduce-scatter input is done with: only the output is kept.
+                    self.hooks.append((reduced._replace(buffers=()), event))
+                    return
+            self._accumulate(reduced)
+
+    def _accumulate(self, reduced: ReduceInFlight) -> None:
+        comm = self.root_ctx.comm
+        copies = assign_sharded_grads(reduced, comm.ops)
+        if copies and comm.ops is not None:
+            comm.grads_to_host.add(copies, comm.ops)
+
+    def finish_hooks(self) -> None:
+        while self.hooks:
+            reduced, event = self.hooks.popleft()
+            self.root_ctx.comm.wait_event(event)
+            self._accumulate(reduced)
+
+    def finish_backward(self, groups: Iterable[FSDPParamGroup]) -> None:
+        """The final callback's reductions (``groups`` innermost first): the
+        post-backward of groups whose ``PostBackward`` never ran (inputs without
+        grad, unused outputs, unused prefetches), resharding of groups unsharded
+        again by a recomputation, then every reduction finished (unless this is
+        not the last backward) and one host sync for CPU offload."""
+        groups = list(groups)
+        for group in groups:
+            if group.needs_post_backward:
+                self.post_backward(group)
+            elif group.reshard_after_backward:
+                group.reshard()  # unsharded again after its post-backward, for a recomputation
+            group.cancel_unshard()
+        if self.is_last_backward:
+            self.finish_reduce_scatters()
+            self.finish_all_reduces()
+            self.finish_hooks()
+        self.root_ctx.comm.grads_to_host.wait()
+        for group in groups:
+            group.finalize_backward()
+
+    def reset(self) -> None:
+        """Recovery: waits for this root's reductions in flight and drops them."""
+        comm = self.root_ctx.comm
+        # The queue may be shared with other roots (share_comm_ctx): only this
+        # root's reductions are dropped.
+        mine = [q.reduced for q in self.reduce_scatters if q.pipeline is self]
+        others = [q for q in self.reduce_scatters if q.pipeline is not self]
+        for reduced in mine + [reduced for _, reduced in self.all_reduces]:
+            try:
+                reduced.wait()
+            except RuntimeError:
+                logger.warning("fsdp2: dropping a failed gradient reduction while resetting")
+        self.reduce_scatters.clear()
+        self.reduce_scatters.extend(others)
+        self.all_reduces.clear()
+        for _, event in self.hooks:
+            comm.wait_event(event)  # a stream wait, then the buffers can go
+        self.hooks.clear()
+        comm.grads_to_host.wait()
+
+
+def _output_slots(reduced: ReduceInFlight) -> list[torch.Tensor]:
+    """Each reduced parameter's rows of the output, shaped like its local shard."""
+    slots = reduced.output.split_with_sizes([p.padded_shard_numel for p in reduced.fsdp_params])
+    return [
+        slot[: p.local_numel].view(p.local_shape)
+        for p, slot in zip(reduced.fsdp_params, slots, strict=True)
+    ]
+
+
+@torch.no_grad()
+def _keep_partial_grads(reduced: ReduceInFlight) -> None:
+    """HSDP without all-reduce: keeps the shard-group sums for a later all-reduce."""
+    for fsdp_param, local_grad in zip(reduced.fsdp_params, _output_slots(reduced), strict=True):
+        if fsdp_param.partial_grad is None:
+            fsdp_param.partial_grad = local_grad.clone()
+        else:
+            fsdp_param.partial_grad.add_(local_grad)
+
+
+@torch.no_grad()
+def _add_partial_grads(reduced: ReduceInFlight) -> None:
+    for fsdp_param, local_grad in zip(reduced.fsdp_params, _output_slots(reduced), strict=True):
+        if fsdp_param.partial_grad is not None:
+            local_grad.add_(fsdp_param.partial_grad)
+            fsdp_param.partial_grad = None
+
+
+@torch.no_grad()
+def average(reduced: ReduceInFlight) -> None:
+    """Divides a finished reduction by what its plan left to divide after the
+    collectives (by default the mean is over the ranks, as DDP's)."""
+    if (divisor := reduced.plan.post_divisor) is not None:
+        reduced.output.div_(divisor)
+
+
+@torch.no_grad()
+def assign_sharded_grads(reduced: ReduceInFlight, ops: DeviceOps | None = None) -> list[HostCopy]:
+    """Accumulates a divided reduction into the sharded grads; returns the
+    copies still on their way to the host (CPU offload on an accelerator)."""
+    copies = []
+    for fsdp_param, local_grad in zip(reduced.fsdp_params, _output_slots(reduced), strict=True):
+        if (copy := fsdp_param.accumulate_sharded_grad(local_grad, ops)) is not None:
+            copies.append(copy)
+    return copies

@@ -1,0 +1,118 @@
+"""The package's shape: runtime imports inside fsdp2/ run one way (no cycle,
+lazy imports inside functions included; imports under ``if TYPE_CHECKING:``
+are for annotations only and do not count), and no file grows past 600 lines."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "fsdp2"
+MAX_LINES = 600
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _runtime_imports(name: str, is_package: bool, source: str, modules: set[str]) -> set[str]:
+    """The modules of ``modules`` that module ``name`` (whose text is ``source``)
+    imports when it runs, at import or at call time."""
+    package = name if is_package else name.rpartition(".")[0]
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")
+                anchor = anchor[: len(anchor) - (node.level - 1)]
+                base = ".".join([*anchor, base] if base else anchor)
+            for alias in node.names:  # `from . import x` names a module
+                if f"{base}.{alias.name}" in modules:
+                    found.add(f"{base}.{alias.name}")
+                elif base in modules:
+                    found.add(base)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names if alias.name in modules)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(source))
+    found.discard(name)
+    # A submodule's import of its own package runs the package's __init__,
+    # which imports the submodule: not an arrow that makes a cycle.
+    return {m for m in found if not name.startswith(f"{m}.")}
+
+
+def _import_graph() -> dict[str, set[str]]:
+    paths = sorted(PACKAGE.rglob("*.py"))
+    modules = {_module_name(p) for p in paths}
+    return {
+        _module_name(p): _runtime_imports(
+            _module_name(p), p.name == "__init__.py", p.read_text(), modules
+        )
+        for p in paths
+    }
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of ``graph``, as the modules along it, or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(module: str) -> list[str] | None:
+        state[module] = 1
+        path.append(module)
+        for imported in sorted(graph[module]):
+            if state.get(imported) == 1:
+                return [*path[path.index(imported) :], imported]
+            if imported not in state and (found := visit(imported)) is not None:
+                return found
+        path.pop()
+        state[module] = 2
+        return None
+
+    for module in sorted(graph):
+        if module not in state and (found := visit(module)) is not None:
+            return found
+    return None
+
+
+def test_runtime_imports_have_no_cycle() -> None:
+    graph = _import_graph()
+    assert graph["fsdp2.state"], "the graph should see state.py's imports"
+    cycle = _cycle(graph)
+    assert cycle is None, "import cycle in fsdp2/: " + " -> ".join(cycle or [])
+
+
+def test_the_check_sees_lazy_imports_and_skips_type_checking() -> None:
+    source = (
+        "from typing import TYPE_CHECKING\n"
+        "from . import d\n"
+        "if TYPE_CHECKING:\n    from .b import B\n"
+        "def f():\n    from .c import C\n"
+    )
+    modules = {"fsdp2", "fsdp2.a", "fsdp2.b", "fsdp2.c", "fsdp2.d"}
+    assert _runtime_imports("fsdp2.a", False, source, modules) == {"fsdp2.c", "fsdp2.d"}
+    assert _cycle({"x": {"y"}, "y": {"z"}, "z": {"x"}}) == ["x", "y", "z", "x"]
+    assert _cycle({"x": {"y"}, "y": set()}) is None
+
+
+@pytest.mark.parametrize("path", sorted(PACKAGE.rglob("*.py")), ids=lambda p: p.name)
+def test_no_file_over_600_lines(path: Path) -> None:
+    lines = len(path.read_text().splitlines())
+    assert lines <= MAX_LINES, f"{path.name} has {lines} lines: split it by concept"
