@@ -18,34 +18,14 @@ EAGER_HOOK_REASON = "fsdp2 hooks run eagerly"
 
 
 def eager_hook(hook: Callable) -> Callable:
-    """Marks one of fsdp2's hooks to run eagerly under ``torch.compile``: a
-    compiled module calls it as an opaque function, and nothing it calls is traced.
+    """Marks one of fsdp2's hooks to run eagerly under ``torch.compile``, as
+    torch's fully_shard does: a compiled block calls it as an opaque function.
 
     [Note: hooks under torch.compile]
-    Every hook (forward pre- and post-hooks, pre-backward, ``PostBackward``'s
-    backward, the final callback) is wrapped in ``torch.compiler.disable``, as
-    torch's fully_shard does with its own. A compiled block (``block.compile()``,
-    ``torch.compile(block)``) therefore leaves dynamo at its boundary: the
-    pre-hook unshards eagerly, the block's forward is one graph whose inputs are
-    the unsharded parameters the pre-hook put on the module, the post-hook
-    reshards eagerly. Compiling the whole model breaks its graph at each such
-    call. A compiled function that calls ``backward()`` has the autograd engine
-    run the backward hooks, for CPU tensors on the calling thread, where dynamo
-    is active: they stay eager too.
-
-    Traced, the hooks are not only graph breaks and guards on state that changes
-    every iteration: they lose the version counter ``FSDPParam.alloc_unsharded``
-    gives the unsharded parameter. It is built from ``buffer.narrow(...).data``,
-    a tensor on the buffer's storage with a counter of its own, so the copy-out
-    of each all-gather into the buffer leaves untouched the version at which
-    autograd saved the parameter. Traced, ``.data`` is a graph output aliasing
-    another output (the buffer), and AOTAutograd rebuilds such an output from
-    the one it aliases by replaying the aliasing ops on it: in effect
-    ``buffer.narrow(...).detach()``, which, unlike ``.data``, shares the
-    buffer's version counter. The parameter's version then went up with every
-    copy-out, 0 -> 1 in forward and 1 -> 2 when backward all-gathered again,
-    and the compiled block's backward, which saved it at version 1, refused to
-    run ("modified by an inplace operation").
+    Traced, the hooks would guard graphs on state that changes every step, and
+    the unsharded parameter would share its buffer's version counter, so the
+    backward all-gather would trip autograd's in-place check. docs/design.md,
+    "Under torch.compile", tells the whole story.
     """
     return torch.compiler.disable(hook, reason=EAGER_HOOK_REASON)
 

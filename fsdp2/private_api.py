@@ -97,10 +97,10 @@ _NOT_PROFILING = contextlib.nullcontext()
 def profiled(what: str, detail: str = "") -> contextlib.AbstractContextManager:
     """A profiler range ``fsdp2::<what> (<detail>)``, only while a profiler runs.
 
-    Why private: ``torch.profiler.record_function`` costs about 9 us per call
-    even with no profiler running, and the engine opens a dozen ranges per
-    group per step (``scripts/bench_overhead.py`` went from 620 to 820 us per
-    group); ``torch._C._autograd._profiler_enabled`` tells whether anyone listens.
+    Why private: ``torch.profiler.record_function`` costs time even with no
+    profiler running, and the engine opens a dozen ranges per group per step
+    (docs/performance.md); ``torch._C._autograd._profiler_enabled`` tells
+    whether anyone listens.
     """
     if not torch._C._autograd._profiler_enabled():
         return _NOT_PROFILING

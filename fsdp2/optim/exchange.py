@@ -25,7 +25,7 @@ WIRE_DTYPE = torch.bfloat16
 class ShardGroup(NamedTuple):
     """The ranks holding the row blocks of a sharded parameter (one mesh axis)."""
 
-    group: dist.ProcessGroup | None  # None: a group of one, nothing to exchange
+    process_group: dist.ProcessGroup | None  # None: a group of one, nothing to exchange
     rank: int  # this rank's index on the axis
     size: int
 
@@ -107,7 +107,7 @@ def orthogonalize_row_blocks(
     send_splits = [sum(numel[i][me] for i in by_owner[d]) for d in range(size)]
     recv_splits = [sum(numel[i][s] for i in owned) for s in range(size)]
     recv = send.new_empty(sum(recv_splits))  # 1D: from each rank, its blocks of my matrices
-    dist.all_to_all_single(recv, send, recv_splits, send_splits, group=shard_group.group)
+    dist.all_to_all_single(recv, send, recv_splits, send_splits, group=shard_group.process_group)
 
     from_rank = [
         seg.split([numel[i][s] for i in owned]) for s, seg in enumerate(recv.split(recv_splits))
@@ -131,7 +131,7 @@ def orthogonalize_row_blocks(
     )
     back_splits = [sum(numel[i][me] for i in by_owner[s]) for s in range(size)]
     back = send_back.new_empty(sum(back_splits))
-    dist.all_to_all_single(back, send_back, back_splits, recv_splits, group=shard_group.group)
+    dist.all_to_all_single(back, send_back, back_splits, recv_splits, group=shard_group.process_group)
 
     out: list[torch.Tensor] = [torch.empty(0)] * len(shapes)
     for s, seg in enumerate(back.split(back_splits)):

@@ -84,9 +84,9 @@ class Muon(torch.optim.Optimizer):
             "adjust_lr_fn": adjust_lr_fn,
         }
         super().__init__(params, defaults)
-        for group in self.param_groups:
-            _check_ns_args(group)
-            for param in group["params"]:
+        for options in self.param_groups:
+            _check_ns_args(options)
+            for param in options["params"]:
                 if param.ndim != 2:
                     raise ValueError(
                         f"fsdp2.optim.Muon only optimizes 2-D parameters, got one of shape "
@@ -104,28 +104,28 @@ class Muon(torch.optim.Optimizer):
                 loss = closure()
         # Updates of sharded matrices wait here, per shard group, for one exchange.
         pending: dict[ShardGroup, list[tuple[torch.Tensor, torch.Tensor, dict[str, Any]]]] = {}
-        for group in self.param_groups:
-            for param in group["params"]:
+        for options in self.param_groups:
+            for param in options["params"]:
                 if param.grad is None:
                     continue
-                update = self._momentum_update(param, param.grad, group)
+                update = self._momentum_update(param, param.grad, options)
                 if isinstance(param, DTensor):
-                    pending.setdefault(shard_group_of(param), []).append((param, update, group))
+                    pending.setdefault(shard_group_of(param), []).append((param, update, options))
                 else:
-                    _apply(param, orthogonalize(update, *_ns_args(group)), group)
+                    _apply(param, orthogonalize(update, *_ns_args(options)), options)
         for shard_group, entries in pending.items():
             results = orthogonalize_row_blocks(
                 [update for _, update, _ in entries],
                 [param.shape for param, _, _ in entries],
-                [_ns_args(group) for _, _, group in entries],
+                [_ns_args(options) for _, _, options in entries],
                 shard_group,
             )
-            for (param, _, group), result in zip(entries, results, strict=True):
-                _apply(param, result, group)
+            for (param, _, options), result in zip(entries, results, strict=True):
+                _apply(param, result, options)
         return loss
 
     def _momentum_update(
-        self, param: torch.Tensor, grad: torch.Tensor, group: dict[str, Any]
+        self, param: torch.Tensor, grad: torch.Tensor, options: dict[str, Any]
     ) -> torch.Tensor:
         """Updates the momentum buffer; returns this rank's part of the update to orthogonalize."""
         if torch.is_complex(param):
@@ -136,31 +136,31 @@ class Muon(torch.optim.Optimizer):
         if "momentum_buffer" not in state:
             # A DTensor shaped and placed like the parameter: resharding checkpoints works.
             state["momentum_buffer"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
-        buf, momentum = state["momentum_buffer"], group["momentum"]
+        buf, momentum = state["momentum_buffer"], options["momentum"]
         if isinstance(grad, DTensor):
             grad, buf = local_tensor(grad), local_tensor(buf)
         buf.lerp_(grad, 1 - momentum)
-        return grad.lerp(buf, momentum) if group["nesterov"] else buf
+        return grad.lerp(buf, momentum) if options["nesterov"] else buf
 
 
-def _check_ns_args(group: dict[str, Any]) -> None:
-    if group["ns_steps"] > MAX_NS_STEPS:
-        raise ValueError(f"ns_steps must be at most {MAX_NS_STEPS}, got {group['ns_steps']}")
-    if len(group["ns_coefficients"]) != 3:
+def _check_ns_args(options: dict[str, Any]) -> None:
+    if options["ns_steps"] > MAX_NS_STEPS:
+        raise ValueError(f"ns_steps must be at most {MAX_NS_STEPS}, got {options['ns_steps']}")
+    if len(options["ns_coefficients"]) != 3:
         raise ValueError(
-            f"ns_coefficients must be 3 values (a, b, c), got {group['ns_coefficients']}"
+            f"ns_coefficients must be 3 values (a, b, c), got {options['ns_coefficients']}"
         )
 
 
-def _ns_args(group: dict[str, Any]) -> NewtonSchulzArgs:
-    return NewtonSchulzArgs(tuple(group["ns_coefficients"]), group["ns_steps"], group["eps"])
+def _ns_args(options: dict[str, Any]) -> NewtonSchulzArgs:
+    return NewtonSchulzArgs(tuple(options["ns_coefficients"]), options["ns_steps"], options["eps"])
 
 
-def _apply(param: torch.Tensor, orthogonal: torch.Tensor, group: dict[str, Any]) -> None:
+def _apply(param: torch.Tensor, orthogonal: torch.Tensor, options: dict[str, Any]) -> None:
     """Weight decay, then the orthogonalized update, on this rank's rows of ``param``."""
-    lr = group["lr"]
+    lr = options["lr"]
     lr = lr.item() if isinstance(lr, torch.Tensor) else lr
-    step_size = adjusted_lr(lr, group["adjust_lr_fn"], param.shape)
+    step_size = adjusted_lr(lr, options["adjust_lr_fn"], param.shape)
     local = local_tensor(param) if isinstance(param, DTensor) else param
-    local.mul_(1 - lr * group["weight_decay"])
+    local.mul_(1 - lr * options["weight_decay"])
     local.add_(orthogonal, alpha=-step_size)
