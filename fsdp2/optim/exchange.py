@@ -131,7 +131,9 @@ def orthogonalize_row_blocks(
     )
     back_splits = [sum(numel[i][me] for i in by_owner[s]) for s in range(size)]
     back = send_back.new_empty(sum(back_splits))
-    dist.all_to_all_single(back, send_back, back_splits, recv_splits, group=shard_group.process_group)
+    dist.all_to_all_single(
+        back, send_back, back_splits, recv_splits, group=shard_group.process_group
+    )
 
     out: list[torch.Tensor] = [torch.empty(0)] * len(shapes)
     for s, seg in enumerate(back.split(back_splits)):
