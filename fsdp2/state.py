@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from .checks import at_lazy_init
 from .collectives import ReduceInFlight, all_reduce, assign_sharded_grads, average
 from .comm import CommContext
 from .common import MeshInfo, ShardedState, eager_hook
@@ -434,6 +435,7 @@ class FSDPState:
             if group.sharded_state is ShardedState.SHARDED:
                 group.reset_sharded_params()
         _check_materialized(ctx.groups)
+        at_lazy_init(ctx.groups)  # checks.py: replicas that differ; the optimizer check
         if self.reshard_after_forward_arg is None:
             # The root's parameters are needed again first thing in backward.
             for group in self.param_groups:
