@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .common import MeshInfo, device_from_mesh
 from .private_api import local_tensor
@@ -67,7 +68,7 @@ def at_lazy_init(groups: list[FSDPParamGroup]) -> None:
 @functools.cache
 def install_optimizer_check() -> Any:
     """Registers :func:`check_optimizer` for every optimizer, once per process."""
-    return torch.optim.optimizer.register_optimizer_step_pre_hook(check_optimizer)
+    return register_optimizer_step_pre_hook(check_optimizer)
 
 
 def check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -108,7 +109,11 @@ def _named_params(optimizer: torch.optim.Optimizer) -> list[tuple[str, torch.Ten
 
 
 def _refuse_replaced(named: list[tuple[str, torch.Tensor]]) -> None:
-    replaced = [owner for _, p in named if (owner := p.__dict__.get(SHARDED_AS)) is not None]
+    replaced = [
+        name if name.startswith("'") else owner  # the optimizer's name, else where it was
+        for name, p in named
+        if (owner := p.__dict__.get(SHARDED_AS)) is not None
+    ]
     if replaced:
         raise RuntimeError(
             f"fsdp2: the optimizer holds {len(replaced)} parameters that fully_shard replaced "
@@ -227,9 +232,9 @@ def _gather(local: torch.Tensor, info: MeshInfo) -> torch.Tensor:
             out = out.unsqueeze(0)
             continue
         # Filled with this rank's values first: a "fake" process group moves no data.
-        gathered = out.unsqueeze(0).repeat(size, *([1] * out.dim()))
-        dist.all_gather_into_tensor(gathered, out.contiguous(), group=group)
-        out = gathered
+        gathered = out.flatten().repeat(size)
+        dist.all_gather_single(gathered, out.flatten(), group=group)
+        out = gathered.view(size, *out.shape)
     return out
 
 
