@@ -31,7 +31,11 @@ from models import (
     shard_model,
     transformer_args,
 )
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    set_model_state_dict,
+)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed._tensor.common_dtensor import Transformer
@@ -212,6 +216,19 @@ def _legitimate(rank: int, world: int, tmp: Path) -> None:
         dcp.load(state, checkpoint_id=tmp / "dcp")
         set_model_state_dict(model, state)
         train(model, [make_optimizer(model)], rank, world)
+    with labelled("a full state dict for rank 0 (docs/usage.md)"), no_warnings():
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        full = get_model_state_dict(model, options=options)  # on every rank: a collective
+        if rank == 0:
+            assert full.keys() == model.state_dict().keys()
+            expected = {name: p.full_tensor() for name, p in model.named_parameters()}
+            for name, tensor in full.items():
+                assert not isinstance(tensor, DTensor) and tensor.device.type == "cpu", name
+                assert torch.equal(tensor, expected[name]), name
+        else:
+            assert not full, "cpu_offload=True: a full model on rank 0 only"
+            for p in model.parameters():
+                p.full_tensor()  # rank 0's full_tensor() calls, matched
 
 
 @pytest.mark.distributed
