@@ -27,7 +27,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from .common import MeshInfo, device_from_mesh
+from .common import MeshInfo, device_from_mesh, eager_hook
 from .private_api import local_tensor
 from .validate import FSDP_SHARDED, SHARDED_AS
 
@@ -71,8 +71,10 @@ def install_optimizer_check() -> Any:
     return register_optimizer_step_pre_hook(check_optimizer)
 
 
+@eager_hook
 def check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    """A global optimizer step pre-hook: checks each optimizer at its first step."""
+    """A global optimizer step pre-hook: checks each optimizer at its first step
+    (eagerly, also inside a compiled step)."""
     if optimizer.__dict__.get(_CHECKED):
         return
     named = _named_params(optimizer)
