@@ -47,6 +47,7 @@ _CHECKED = "_fsdp2_checked"
 # in other orders (thread counts, GPU models); different values differ by far more.
 _RTOL = 1e-9
 _NAMES_SHOWN = 5
+_CHUNK = 1 << 22  # elements checksummed at a time: 32 MiB in float64
 
 
 def mark_ignored(params: Iterable[nn.Parameter]) -> None:
@@ -202,16 +203,21 @@ def check_replicas(groups: list[FSDPParamGroup]) -> None:
 
 def _checksums(tensor: torch.Tensor) -> torch.Tensor:
     """(sum, sum of |x|, sum of squares, position-weighted sum) in float64: equal
-    for equal tensors, different for differently initialised ones."""
+    for equal tensors, different for differently initialised ones. In chunks,
+    so a large shard costs a bounded float64 copy."""
     if isinstance(tensor, DTensor):
         tensor = local_tensor(tensor)
     with torch.no_grad():
-        x = tensor.detach().flatten()
-        if x.is_complex():
-            x = torch.view_as_real(x).flatten()
-        x = x.to(torch.float64)
-        weights = torch.arange(x.numel(), dtype=torch.float64, device=x.device) % 127 + 1
-        return torch.stack([x.sum(), x.abs().sum(), (x * x).sum(), (x * weights).sum()]).cpu()
+        flat = tensor.detach().flatten()
+        if flat.is_complex():
+            flat = torch.view_as_real(flat).flatten()
+        total = torch.zeros(4, dtype=torch.float64, device=flat.device)
+        for start in range(0, flat.numel(), _CHUNK):
+            x = flat[start : start + _CHUNK].to(torch.float64)
+            index = torch.arange(start, start + x.numel(), dtype=torch.float64, device=x.device)
+            weights = index % 127 + 1
+            total += torch.stack([x.sum(), x.abs().sum(), (x * x).sum(), (x * weights).sum()])
+        return total.cpu()
 
 
 def _differ(stats: torch.Tensor, dim: int) -> torch.Tensor:
