@@ -160,10 +160,12 @@ def _legitimate(rank: int, world: int, tmp: Path) -> None:
     with labelled("a root without parameters of its own"), no_warnings():
         model = shard_model(build_model("mlp"))
         optim = make_optimizer(model)
-        for step in range(2):
-            mean_loss(model, *local_batch(global_batch("mlp", step), rank, world)).backward()
-            optim.step()
-            optim.zero_grad()
+        with counted_checks() as checks:
+            for step in range(2):
+                mean_loss(model, *local_batch(global_batch("mlp", step), rank, world)).backward()
+                optim.step()
+                optim.zero_grad()
+        assert checks[0] == 0, f"plain FSDP, sharded parameters only: no collective, {checks[0]}"
     with labelled("two roots on purpose, sharing a comm context"), no_warnings():
         first, second = shard_model(build_model(KIND)), shard_model(build_model(KIND))
         fsdp2.share_comm_ctx([first, second])
