@@ -12,6 +12,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from .checks import mark_ignored
 from .common import MeshInfo, ShardedState, device_from_mesh, post_forward_mesh_info
 from .mesh import DataParallelMeshDims, MeshInfos, ShardPlacementResult, spmd_mesh_info
 from .module import FSDPModule
@@ -198,6 +199,7 @@ def fully_shard(
         for (fqn, param), (dim, info) in zip(named_params, placements, strict=True)
     ]
 
+    mark_ignored(ignored)  # plain on purpose: not "a root left unsharded" (checks.py)
     state = FSDPState(modules, mesh_info, device, resharding, mp_policy)
     for nested in _nested_states(modules):
         if nested.parent is None:

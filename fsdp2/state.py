@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from .checks import at_lazy_init
 from .common import MeshInfo, ShardedState, eager_hook
 from .param_group import FSDPParamGroup
 from .policy import MixedPrecisionPolicy
@@ -171,6 +172,7 @@ class FSDPState:
             if group.sharded_state is ShardedState.SHARDED:
                 group.reset_sharded_params()
         _check_materialized(root_ctx.groups)
+        at_lazy_init(root_ctx.groups)  # checks.py: replicas that differ; the optimizer check
         if self.reshard_after_forward_arg is None:
             # The root's parameters are needed again first thing in backward.
             for group in self.param_groups:

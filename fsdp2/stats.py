@@ -8,6 +8,7 @@ evaluation) go into the step still open.
 
 from __future__ import annotations
 
+import io
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -62,3 +63,57 @@ class CommStats:
                     into.wait_seconds += add.wait_seconds
                     into.ready_when_waited += add.ready_when_waited
         return dict(total)
+
+    def __str__(self) -> str:
+        """A table of :meth:`totals`, one row per group: what ``print(stats)`` shows."""
+        return format_table(self.totals(), steps=len(self.steps))
+
+    def __repr__(self) -> str:
+        return f"CommStats(steps={len(self.steps)}, groups={list(self.totals())})"
+
+
+def format_table(totals: dict[str, GroupStats], steps: int) -> str:
+    """Per group: the count and bytes of each collective, the time the training
+    thread waited for them and how many were done when waited for (hidden)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"fsdp2 communication, totals over {steps} steps")
+    columns = [
+        "group",
+        "all-gathers",
+        "bytes",
+        "reduce-scatters",
+        "bytes",
+        "all-reduces",
+        "bytes",
+        "wait",
+        "ready when waited",
+    ]
+    for name in columns:
+        table.add_column(name, justify="left" if name == "group" else "right")
+    waited = 0.0
+    for group, stats in totals.items():
+        kinds = (stats.all_gather, stats.reduce_scatter, stats.all_reduce)
+        wait = sum(k.wait_seconds for k in kinds)
+        waited += wait
+        counts = [c for k in kinds for c in (f"{k.count:,}", human_bytes(k.bytes))]
+        ready = sum(k.ready_when_waited for k in kinds)
+        table.add_row(
+            group, *counts, f"{wait * 1e3:.1f} ms", f"{ready:,} of {sum(k.count for k in kinds):,}"
+        )
+    per_step = f", {waited / steps * 1e3:.1f} ms per step" if steps else ""
+    table.caption = f"waited {waited * 1e3:.1f} ms in all{per_step} (exposed communication)"
+    out = io.StringIO()
+    Console(file=out, width=160, highlight=False).print(table)
+    return "\n".join(line.rstrip() for line in out.getvalue().splitlines())
+
+
+def human_bytes(nbytes: int) -> str:
+    """``nbytes`` for people: B, KiB, MiB or GiB."""
+    size = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")

@@ -19,7 +19,7 @@ import torch.nn as nn
 
 from .param_group import FSDPParamGroup
 from .state import FSDPState, get_fsdp_state
-from .stats import CommStats
+from .stats import CommStats, human_bytes
 
 
 @dataclass(frozen=True)
@@ -113,9 +113,9 @@ def print_summary(rows: list[GroupSummary]) -> None:
             r.module or "(root)",
             str(r.num_params),
             f"{r.numel:,}",
-            _human(r.unsharded_bytes),
-            _human(r.shard_bytes),
-            _human(r.padding_bytes),
+            human_bytes(r.unsharded_bytes),
+            human_bytes(r.shard_bytes),
+            human_bytes(r.padding_bytes),
             r.placements,
             r.mesh,
             r.reshard_after_forward,
@@ -123,22 +123,13 @@ def print_summary(rows: list[GroupSummary]) -> None:
             r.reduce_dtype,
         )
     totals = (sum(r.unsharded_bytes for r in rows), sum(r.shard_bytes for r in rows))
-    table.caption = f"total: {_human(totals[0])} unsharded, {_human(totals[1])} on this rank"
+    table.caption = (
+        f"total: {human_bytes(totals[0])} unsharded, {human_bytes(totals[1])} on this rank"
+    )
     console = Console()
     if not console.is_terminal:
         console = Console(width=160)  # logs and pipes: do not squeeze the columns
     console.print(table)
-
-
-def _human(nbytes: int) -> str:
-    if nbytes < 1024:
-        return f"{nbytes} B"
-    size = float(nbytes)
-    for unit in ("KiB", "MiB"):
-        size /= 1024
-        if size < 1024:
-            return f"{size:.1f} {unit}"
-    return f"{size / 1024:.1f} GiB"
 
 
 @contextmanager

@@ -1,0 +1,296 @@
+"""Three mistakes that used to train silently wrong now stop at the first forward
+or optimizer step (fsdp2/checks.py), and the legitimate uses that look like
+them run without an error or a warning:
+
+- a root left unsharded (its parameters trained apart on each rank),
+- an optimizer built before fully_shard (stepping the replaced parameters),
+- HSDP replicas, or min_numel_to_shard's whole copies, built differently.
+
+One spawn per world size: 2 ranks for FSDP, 4 for HSDP (2 x 2).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from dist import labelled, run_ranks
+from models import (
+    build_model,
+    global_batch,
+    local_batch,
+    make_optimizer,
+    mean_loss,
+    shard_model,
+    transformer_args,
+)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    set_model_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.testing._internal.distributed._tensor.common_dtensor import Transformer
+
+import fsdp2
+import fsdp2.checks
+
+KIND = "transformer_untied"  # a root with parameters of its own: embeddings, norm, head
+THRESHOLD = 100  # min_numel_to_shard: biases and norm weights stay whole on every rank
+
+
+@contextlib.contextmanager
+def no_warnings() -> Iterator[None]:
+    """Fails on any warning but torch's own deprecation notices."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield
+    ours = [w for w in caught if "/torch/" not in w.filename]
+    assert not ours, [f"{w.category.__name__}: {w.message}" for w in ours]
+
+
+@contextlib.contextmanager
+def counted_checks() -> Iterator[list[int]]:
+    """Counts the checks' collectives (``fsdp2.checks._gather``) while active."""
+    calls = [0]
+    original = fsdp2.checks._gather
+
+    def counting(*args, **kwargs):
+        calls[0] += 1
+        return original(*args, **kwargs)
+
+    fsdp2.checks._gather = counting
+    try:
+        yield calls
+    finally:
+        fsdp2.checks._gather = original
+
+
+def train(model: nn.Module, optims: list[torch.optim.Optimizer], rank: int, world: int) -> None:
+    """Two steps on this rank's slice of the global batch (different on each rank)."""
+    for step in range(2):
+        mean_loss(model, *local_batch(global_batch(KIND, step), rank, world)).backward()
+        for optim in optims:
+            optim.step()
+            optim.zero_grad()
+
+
+def built_on_rank(rank: int) -> nn.Module:
+    """The model built with a seed of this rank's own: other values on each rank."""
+    torch.manual_seed(rank)
+    return Transformer(transformer_args(weight_tying=False))
+
+
+def blocks_only(model: nn.Module, **kwargs) -> nn.Module:
+    for layer in model.layers:
+        fsdp2.fully_shard(layer, **kwargs)
+    return model
+
+
+# -- 2 ranks: the mistakes ---------------------------------------------------------
+
+
+def _mistakes(rank: int, world: int) -> None:
+    batch = local_batch(global_batch(KIND, 0), rank, world)
+    with labelled("the root is not sharded"):
+        model = blocks_only(build_model(KIND))
+        optim = make_optimizer(model)
+        mean_loss(model, *batch).backward()
+        with pytest.raises(
+            RuntimeError,
+            match=r"call fully_shard\(model\) on the root after its blocks: these parameters "
+            r"are not sharded and will not be synchronized: param_groups\[0\]\['params'\]\[0\] "
+            r"\(33, 18\)",
+        ):
+            optim.step()
+    with labelled("the root is not sharded, named parameters"):
+        model = blocks_only(build_model(KIND))
+        optim = torch.optim.AdamW(model.named_parameters())
+        mean_loss(model, *batch).backward()
+        with pytest.raises(RuntimeError, match=r"synchronized: 'tok_embeddings.weight', "):
+            optim.step()
+    with labelled("the optimizer is built before fully_shard"):
+        model = build_model(KIND)
+        optim = make_optimizer(model)
+        shard_model(model)
+        mean_loss(model, *batch).backward()
+        with pytest.raises(
+            RuntimeError,
+            match=r"the optimizer holds \d+ parameters that fully_shard replaced with sharded "
+            r"ones: 'tok_embeddings.weight' of Transformer, 'pos_embeddings.weight' of Transformer, "
+            r".* Build the optimizer after fully_shard",
+        ):
+            optim.step()
+    with labelled("min_numel_to_shard copies differ"):
+        torch.manual_seed(rank)  # a seed per rank
+        model = shard_model(TwoLayers(), min_numel_to_shard=THRESHOLD)
+        with pytest.raises(
+            RuntimeError,
+            match=r"the ranks hold different copies of parameters that min_numel_to_shard keeps "
+            r"whole on each of the 2 ranks: 'layers.0.bias', 'layers.1.weight', 'layers.1.bias' "
+            r"differ at the "
+            r"first forward\. .*torch.manual_seed\(0\)",
+        ):
+            model(torch.randn(2, 4))
+
+
+class TwoLayers(nn.Module):
+    """4 -> 40 -> 2: below THRESHOLD elements, all but the first weight stay whole."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(4, 40), nn.Linear(40, 2)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers[1](self.layers[0](x))
+
+
+# -- 2 ranks: what looks like them but is right ---------------------------------------
+
+
+def _legitimate(rank: int, world: int, tmp: Path) -> None:
+    with labelled("a root without parameters of its own"), no_warnings():
+        model = shard_model(build_model("mlp"))
+        optim = make_optimizer(model)
+        with counted_checks() as checks:
+            for step in range(2):
+                mean_loss(model, *local_batch(global_batch("mlp", step), rank, world)).backward()
+                optim.step()
+                optim.zero_grad()
+        assert checks[0] == 0, f"plain FSDP, sharded parameters only: no collective, {checks[0]}"
+    with labelled("two roots on purpose, sharing a comm context"), no_warnings():
+        first, second = shard_model(build_model(KIND)), shard_model(build_model(KIND))
+        fsdp2.share_comm_ctx([first, second])
+        optim = make_optimizer([*first.parameters(), *second.parameters()])
+        for step in range(2):
+            batch = local_batch(global_batch(KIND, step), rank, world)
+            (mean_loss(first, *batch) + mean_loss(second, *batch)).backward()
+            optim.step()
+            optim.zero_grad()
+    with labelled("another optimizer over plain parameters"), no_warnings():
+        model = shard_model(build_model(KIND))
+        head = nn.Linear(18, 1)  # this rank's own, trained on its own data
+        optims = [make_optimizer(model), make_optimizer(head)]
+        for step in range(2):
+            batch = local_batch(global_batch(KIND, step), rank, world)
+            mean_loss(model, *batch).backward()
+            head(torch.randn(3, 18)).sum().backward()
+            for optim in optims:
+                optim.step()
+                optim.zero_grad()
+    with labelled("frozen and ignored parameters of an unsharded root"), no_warnings():
+        model = build_model(KIND)
+        for param in (model.tok_embeddings.weight, model.pos_embeddings.weight):
+            param.requires_grad_(False)
+        ignored = {model.norm.weight, model.norm.bias, model.output.weight}
+        shard_model(model, ignored_params=ignored)
+        train(model, [make_optimizer(model)], rank, world)
+    with labelled("plain parameters the user synchronizes"), no_warnings():
+        model = blocks_only(build_model(KIND))
+        optim = make_optimizer(model)
+        with counted_checks() as checks:
+            for step in range(3):
+                mean_loss(model, *local_batch(global_batch(KIND, step), rank, world)).backward()
+                for param in model.parameters():  # the root's, as DDP would
+                    if not isinstance(param, DTensor) and param.grad is not None:
+                        dist.all_reduce(param.grad)
+                        param.grad /= world
+                optim.step()
+                optim.zero_grad()
+        assert checks[0] == 1, f"one check at the first step, then none: {checks[0]}"
+    with labelled("min_numel_to_shard, loaded after fully_shard"), no_warnings():
+        # Other values on each rank: the load makes them equal.
+        model = shard_model(built_on_rank(rank), min_numel_to_shard=THRESHOLD)
+        model.load_state_dict(build_model(KIND).state_dict())  # full tensors, the same
+        train(model, [make_optimizer(model)], rank, world)
+        dcp.save(get_model_state_dict(model), checkpoint_id=tmp / "dcp")
+    with labelled("min_numel_to_shard, loaded by DCP"), no_warnings():
+        model = shard_model(built_on_rank(rank), min_numel_to_shard=THRESHOLD)
+        state = get_model_state_dict(model)
+        dcp.load(state, checkpoint_id=tmp / "dcp")
+        set_model_state_dict(model, state)
+        train(model, [make_optimizer(model)], rank, world)
+    with labelled("a full state dict for rank 0 (docs/usage.md)"), no_warnings():
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        full = get_model_state_dict(model, options=options)  # on every rank: a collective
+        if rank == 0:
+            assert full.keys() == model.state_dict().keys()
+            expected = {name: p.full_tensor() for name, p in model.named_parameters()}
+            for name, tensor in full.items():
+                assert not isinstance(tensor, DTensor) and tensor.device.type == "cpu", name
+                assert torch.equal(tensor, expected[name]), name
+        else:
+            assert not full, "cpu_offload=True: a full model on rank 0 only"
+            for p in model.parameters():
+                p.full_tensor()  # rank 0's full_tensor() calls, matched
+
+
+@pytest.mark.distributed
+def test_mistakes_and_legitimate_uses_at_2(tmp_path: Path) -> None:
+    """Each mistake raises on every rank with what is wrong and the fix; the
+    legitimate uses next to them run without an error or a warning."""
+    run_ranks(_mistakes, 2, tmp_path / "mistakes")
+    run_ranks(_legitimate, 2, tmp_path / "legitimate", tmp_path)
+
+
+# -- 4 ranks: HSDP --------------------------------------------------------------------
+
+
+def _hsdp(rank: int, world: int) -> None:
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    with labelled("replicas built with a seed per rank"):
+        model = shard_model(built_on_rank(rank), mesh=mesh)
+        with pytest.raises(
+            RuntimeError,
+            match=r"the HSDP replicas hold different parameters \(2 replicas\): "
+            r"'tok_embeddings.weight', .* \(and \d+ more\) differ at the first forward\. .*"
+            r"torch.manual_seed\(0\)",
+        ):
+            model(global_batch(KIND, 0)[0])
+    with labelled("one shard of one replica differs: every rank raises"):
+        model = shard_model(build_model(KIND), mesh=mesh)
+        if rank == 0:
+            with torch.no_grad():
+                model.layers[1].feed_forward.w2.weight.to_local().add_(1e-3)
+        with pytest.raises(RuntimeError, match=r"replicas hold .*: 'layers.1.feed_forward.w2"):
+            model(global_batch(KIND, 0)[0])
+    with labelled("the same model on every rank"), no_warnings():
+        model = shard_model(build_model(KIND), mesh=mesh, min_numel_to_shard=THRESHOLD)
+        train(model, [make_optimizer(model)], rank, world)
+
+
+@pytest.mark.distributed
+def test_hsdp_replicas_that_differ(tmp_path: Path) -> None:
+    run_ranks(_hsdp, 4, tmp_path)
+
+
+# -- print(stats) ---------------------------------------------------------------------
+
+
+def test_comm_stats_prints_a_table() -> None:
+    stats = fsdp2.CommStats()
+    gathered = stats.record("layers.0", "all_gather")
+    gathered.count, gathered.bytes, gathered.wait_seconds, gathered.ready_when_waited = (
+        2,
+        3 * 1024,
+        0.004,
+        1,
+    )
+    stats.record("(root)", "all_reduce").count = 1
+    stats.end_step()
+    text = str(stats)
+    assert "fsdp2 communication, totals over 1 steps" in text
+    for header in ("all-gathers", "reduce-scatters", "all-reduces", "bytes", "wait", "ready"):
+        assert header in text, text
+    row = next(line for line in text.splitlines() if "layers.0" in line)
+    assert "3.0 KiB" in row and "4.0 ms" in row and "1 of 2" in row, row
+    assert stats.steps[0]["layers.0"].all_gather.count == 2  # the fields stay
+    assert stats.totals()["(root)"].all_reduce.count == 1
