@@ -170,7 +170,7 @@ class CommContext:
         return InFlight(None, event, ops, label, stats)
 
     @contextlib.contextmanager
-    def copy_in(self) -> Iterator[None]:
+    def copy_in(self, written: torch.Event | None = None) -> Iterator[None]:
         """Accelerators: runs an all-gather's copy-in (and its buffer's
         allocation) on the copy-in stream. [Note: the copy-in stream]
 
@@ -182,6 +182,8 @@ class CommContext:
         allocated on this stream, and their bytes may be reused here only once
         the copy-outs have read them. An all-gather is thus not ordered after the compute of
         the group before it, and the copy-in runs off the compute stream.
+        ``written``: the event after the current stream wrote the shard this
+        copy-in reads since the catch-up (``shard_written``), waited for too.
         """
         ops = self.ops
         if ops is None:
@@ -194,12 +196,21 @@ class CommContext:
                 self._replicated_event, self.post_optim_event = event, None
             else:
                 stream.wait_stream(ops.current_stream())
+        if written is not None:
+            stream.wait_event(written)
         if self._copied_out_event is not None:
             stream.wait_event(self._copied_out_event)
             self._copied_out_event = None
             self._copied_out.clear()
         with stream:
             yield
+
+    def shard_written(self) -> torch.Event | None:
+        """Accelerators: the event after the current stream wrote a shard that a
+        later copy-in reads (the post-forward shard, written in forward after
+        the copy-in stream caught up: a module run twice in one forward reads
+        it then); that copy-in waits for it (``copy_in(written=...)``)."""
+        return None if self.ops is None else self.ops.current_stream().record_event()
 
     def copied_out(self, buffer: torch.Tensor) -> None:
         """Accelerators: the current stream has read (or dropped) ``buffer``, an
