@@ -84,10 +84,12 @@ class InFlight(NamedTuple):
 class HostCopy(NamedTuple):
     """A sharded grad on its way to pinned host memory (CPU offload on an
     accelerator): a non-blocking copy on the current stream, which the host
-    reads only after ``CommContext.wait_grads_on_host``."""
+    reads only after ``CommContext.wait_grads_on_host``: only then is it added
+    to the grad, or made the grad (``.grad``: no reader sees it earlier)."""
 
     copy: torch.Tensor  # pinned, shaped like the local shard, in the parameter's dtype
-    add_to: torch.Tensor | None  # the grad it is added to then; None: it is the grad
+    add_to: torch.Tensor | None  # the grad it is added to then; None: it becomes the grad
+    assign: Callable[[torch.Tensor], None] | None = None  # makes ``copy`` the grad
 
 
 class CommContext:
@@ -115,6 +117,7 @@ class CommContext:
         # host, and the copies to add to existing grads once the host has waited.
         self._host_copies: torch.Event | None = None
         self._host_additions: list[tuple[torch.Tensor, torch.Tensor]] = []  # (grad, copy)
+        self._host_grads: list[HostCopy] = []  # to assign as grads once the host has waited
 
     @property
     def uses_streams(self) -> bool:
@@ -220,8 +223,10 @@ class CommContext:
             self._copied_out_event = self.ops.current_stream().record_event()
 
     def release_copied_out(self) -> None:
-        """This context is being replaced (lazy init): its copy-in stream waits
-        for the buffers it still holds, which can then go."""
+        """The end of backward (or of a reset), or this context is being
+        replaced (lazy init): the copy-in stream waits for the buffers still
+        held, which can then go (else the last block's backward buffer would
+        live through the optimizer step)."""
         if self.ops is not None and (event := self._copied_out_event) is not None:
             self._stream(self.ops, "all_gather_copy_in").wait_event(event)
             self._copied_out_event = None
@@ -233,16 +238,23 @@ class CommContext:
         if copies and self.ops is not None:
             self._host_copies = self.ops.current_stream().record_event()
             self._host_additions += [(c.add_to, c.copy) for c in copies if c.add_to is not None]
+            self._host_grads += [c for c in copies if c.assign is not None]
 
-    def wait_grads_on_host(self) -> None:
+    def wait_grads_on_host(self, discard: bool = False) -> None:
         """End of backward: the host waits, once, for the copies of the grads,
-        then adds those that accumulate into existing grads."""
+        then adds those that accumulate into existing grads and assigns the
+        others as grads. ``discard`` (a reset): neither, the grads are dropped."""
         if self._host_copies is not None:
             self._host_copies.synchronize()
             self._host_copies = None
-        for grad, copy in self._host_additions:
-            grad.add_(copy)
+        if not discard:
+            for grad, copy in self._host_additions:
+                grad.add_(copy)
+            for host in self._host_grads:
+                if host.assign is not None:
+                    host.assign(host.copy)
         self._host_additions.clear()
+        self._host_grads.clear()
 
     def shards_may_change(self) -> None:
         """A forward or backward ended: the next copy-in waits for the current

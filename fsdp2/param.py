@@ -360,6 +360,9 @@ class FSDPParam:
             stride=_contiguous_strides(self.orig_size),
         )
 
+    def _assign_sharded_grad(self, local: torch.Tensor) -> None:
+        self.sharded_param.grad = self._as_sharded_grad(local)
+
     def _as_sharded_grad(self, local: torch.Tensor) -> DTensor:
         if self._grad_spec is None:
             self._grad_spec = dtensor_spec(
@@ -543,9 +546,9 @@ class FSDPParam:
         """Adds this rank's reduced rows (unpadded, shaped like the local shard)
         to the sharded grad. With ``CPUOffloadPolicy`` on an accelerator they
         are copied to pinned host memory without blocking the host: returns
-        the copy, which is the grad or is added to it once the host has waited
-        for the current stream (``CommContext.wait_grads_on_host``, once at
-        the end of backward)."""
+        the copy, which becomes the grad or is added to it once the host has
+        waited for the current stream (``CommContext.wait_grads_on_host``, once
+        at the end of backward): ``.grad`` never shows bytes still in flight."""
         grad = self.sharded_param.grad
         hooks = self.sharded_param._post_accumulate_grad_hooks
         if self.offload and self.pin_memory and ops is not None and not hooks:
@@ -553,8 +556,7 @@ class FSDPParam:
             host.copy_(local_grad, non_blocking=True)
             if grad is not None:
                 return HostCopy(host, local_tensor(grad))
-            self.sharded_param.grad = self._as_sharded_grad(host)
-            return HostCopy(host, None)
+            return HostCopy(host, None, self._assign_sharded_grad)
         local_grad = local_grad.to(self.shard_device, self.orig_dtype)
         if grad is None:
             self.sharded_param.grad = self._as_sharded_grad(local_grad)

@@ -115,7 +115,8 @@ class RootContext:
         for _, event in self.hooks_in_flight:
             self.comm.wait_event(event)  # a stream wait, then the buffers can go
         self.hooks_in_flight.clear()
-        self.comm.wait_grads_on_host()
+        self.comm.wait_grads_on_host(discard=True)  # this iteration's grads are dropped
+        self.comm.release_copied_out()
         for state in self.states:
             state.modules_to_run.clear()
         self.forward_root = None
@@ -293,6 +294,8 @@ class RootContext:
                 self.finish_hooks()
             # CPU offload: one host sync per backward, for every grad copied to the host.
             self.comm.wait_grads_on_host()
+            # The last all-gather buffers go now, not at the next forward's copy-in.
+            self.comm.release_copied_out()
             for group in self.groups:
                 group.finalize_backward()
             self.post_forward_order.clear()

@@ -109,6 +109,11 @@ class Run:
         self.backward_points: list[tuple[tuple[int, int], int]] = []
         self.step_starts: list[int] = []
         self.params = 0  # of the models trained
+        # CPU offload: per check (in backward, at the step), whether every grad
+        # the host can see (``.grad``) has been waited for.
+        self.grads_readable: list[bool] = []
+        # At each optimizer step: all-gather buffers still alive (none should be).
+        self.all_gather_buffers_at_step: list[int] = []
 
     @property
     def optimizer_stream(self) -> Any:
@@ -143,8 +148,19 @@ def _shard(name: str) -> nn.Module:
     return shard_model(build_model("mlp"), **kwargs)
 
 
+def _check_grads_readable(model: nn.Module, run: Run) -> None:
+    grads = [p.grad for p in model.parameters() if isinstance(p.grad, DTensor)]
+    run.grads_readable.append(all(run.streams.host_may_read(g.to_local()) for g in grads))
+
+
 def _configure(name: str, model: nn.Module, run: Run) -> None:
     layers = list(model.layers)
+    if "CPU offload" in name:
+        # By the first layer's backward the last layers' grads are reduced and
+        # their params resharded: a hook (or a peer thread) may read their .grad.
+        layers[0].register_full_backward_pre_hook(
+            lambda module, grad_output: _check_grads_readable(model, run)
+        )
     if name == "explicit prefetch":
         for before, after in zip(layers, layers[1:], strict=False):
             before.set_modules_to_forward_prefetch([after])
@@ -241,6 +257,9 @@ def _backward(
 
 
 def _optimizer_step(name: str, model: nn.Module, optim: torch.optim.Optimizer, run: Run) -> None:
+    run.all_gather_buffers_at_step.append(run.streams.alive("_foreach_copy_"))
+    if "CPU offload" in name:
+        _check_grads_readable(model, run)
     if name == "optimizer on a side stream":
         # As the docs of set_post_optim_event suggest: the step on its own stream.
         side = run.optimizer_stream
@@ -356,6 +375,8 @@ def _scenario(rank: int, world_size: int, name: str) -> None:
     # Memory: at most two groups' all-gather buffers alive (the running group's
     # and one prefetch), and K reduce-scatter inputs with a queue of K.
     assert streams.peak_alive.get("_foreach_copy_", 0) <= 2, streams.peak_alive
+    # None outlives backward (the final callback releases them) into the step.
+    assert not any(run.all_gather_buffers_at_step), run.all_gather_buffers_at_step
     if not name.startswith("HSDP"):  # there the input is the output, kept to the end
         queue = 2 if name == "reduce-scatter queue of 2" else 1
         assert streams.peak_alive.get("_chunk_cat", 0) == queue, streams.peak_alive
@@ -369,6 +390,9 @@ def _scenario(rank: int, world_size: int, name: str) -> None:
         copies = (streams.pinned, streams.non_blocking_copies)
         assert copies == (run.params * backwards,) * 2, (copies, run.params, backwards)
         assert streams.host_syncs == backwards, streams.host_syncs
+        # A grad becomes .grad only once the host has waited for its copy.
+        assert len(run.grads_readable) == STEPS + backwards, run.grads_readable
+        assert all(run.grads_readable), run.grads_readable
     else:
         assert streams.host_syncs == 0, streams.host_syncs
     if name == "no forward prefetch":
