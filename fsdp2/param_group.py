@@ -385,6 +385,7 @@ class FSDPParamGroup:
                     info.replicate_world_size,
                     self.gradient_divide_factor,
                     self.force_sum_reduction_for_comms,
+                    one_rank_collectives=self.ctx.comm.force_collectives,
                 )
                 reduction = reduce_scatter(
                     reduced,
