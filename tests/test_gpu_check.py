@@ -3,6 +3,7 @@ switch it uses to run collectives at world size 1 (``FSDP2_FORCE_COLLECTIVES``).
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -87,3 +88,28 @@ def test_forced_collectives_at_world_size_one(tmp_path: Path) -> None:
     reduce-scatter (and HSDP (1, 1)'s all-reduce) is issued, and training
     matches the unsharded model."""
     run_ranks(_forced, 1, tmp_path)
+
+
+@pytest.mark.distributed
+def test_rehearsal_runs_every_check(tmp_path: Path) -> None:
+    """``gpu_check.py --rehearse``: the GPU check's code on CPU (gloo, the model
+    of streams, world sizes 1 forced and 2): every check passes, the
+    deliberate race is reported, and the table is written as JSON."""
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--rehearse", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    (table,) = tmp_path.glob("gpu_check_rehearsal_*/gpu_check.json")
+    rows = {r["name"]: r for r in json.loads(table.read_text())["rows"]}
+    assert not [r for r in rows.values() if r["verdict"] == "FAIL"], rows
+    for world in ("x1 forced", "x2"):
+        assert rows[f"{world} model of streams: reports in fsdp2's training"]["value"] == "0"
+        for case in ("fp32", "bf16", "HSDP", "CPU offload"):
+            assert rows[f"{world} {case}: collectives issued"]["verdict"] == "ok", case
+    race = rows["x1 forced deliberate race (all-gather wait skipped): reports"]
+    assert race["verdict"] == "ok" and int(race["value"]) > 0, race
+    assert "CUDA sanitizer" in rows and "table:" in done.stdout
