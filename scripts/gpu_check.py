@@ -388,7 +388,7 @@ def profile(world: World, trace: Path) -> Row:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    setting, steps = world.setting, 3
+    setting, steps = world.setting, 1 if world.setting.rehearse else 3
     model = shard(build(setting, world.device), fsdp2.fully_shard)
     optim = torch.optim.SGD(model.parameters(), lr=0.1)
     for step in range(setting.warmup):
