@@ -51,6 +51,7 @@ def divide_plan(
     replicate_world_size: int = 1,
     factor: float | None = None,
     force_sum: bool = False,
+    one_rank_collectives: bool = False,
 ) -> DividePlan:
     """How a group's gradients are averaged over its ``shard_world_size *
     replicate_world_size`` ranks, or divided by ``factor``
@@ -71,7 +72,9 @@ def divide_plan(
     - Other backends (gloo has neither ``AVG`` nor ``PREMUL_SUM``): sums;
       16-bit dtypes divided before the sum (it cannot overflow), others after.
 
-    A division by 1 is left out.
+    A division by 1 is left out. ``one_rank_collectives``
+    (``CommContext.force_collectives``): on NCCL, a world of one still divides
+    in its collectives (``AVG``, ``PREMUL_SUM``), as a larger one would.
     """
     ranks = shard_world_size * replicate_world_size
     divisor = float(ranks if factor is None else factor)
@@ -83,11 +86,11 @@ def divide_plan(
     no_overflow_risk = reduce_dtype in (torch.float32, torch.bfloat16)
     if no_overflow_risk and not force_sum:
         if factor is None:
-            op = SUM if ranks == 1 else AVG
+            op = SUM if ranks == 1 and not one_rank_collectives else AVG
             return DividePlan(None, op, op, None)
         if factor == shard_world_size:
             return DividePlan(None, AVG, SUM, None)
-        if shard_world_size == 1:
+        if shard_world_size == 1 and not one_rank_collectives:
             return DividePlan(factor, SUM, SUM, None)
         return DividePlan(None, dist.ReduceOp.PREMUL_SUM(1 / factor), SUM, None)
     if no_overflow_risk:
@@ -184,7 +187,8 @@ def all_gather(
     foreach_copy_(
         all_gather_input.split_with_sizes(split_sizes)[::2], inputs, non_blocking=comm.uses_streams
     )
-    if world_size == 1:  # the input is the whole output: nothing to exchange
+    if world_size == 1 and not comm.force_collectives:
+        # The input is the whole output: nothing to exchange.
         return AllGatherInFlight(all_gather_output, comm.done_here())
     in_flight = comm.issue(
         "all_gather",
@@ -252,7 +256,8 @@ def reduce_scatter(
     )
     # A world of one exchanges nothing: the input is the whole output, unless
     # replicated gradients must follow it.
-    input_is_output = world_size == 1 and not replicated
+    exchange = world_size > 1 or comm.force_collectives
+    input_is_output = not exchange and not replicated
     if input_is_output:
         output = reduce_scatter_input.view(-1)
     else:
@@ -267,7 +272,7 @@ def reduce_scatter(
             if plan.pre_divisor is not None:
                 reduce_scatter_input.div_(plan.pre_divisor)
     in_flight = []
-    if sharded and world_size > 1:
+    if sharded and exchange:
         in_flight.append(
             comm.issue(
                 "reduce_scatter",
@@ -290,7 +295,7 @@ def reduce_scatter(
         torch.cat([g.reshape(-1) for _, g in replicated], out=tail)
         if plan.pre_divisor is not None:
             tail.div_(plan.pre_divisor)
-        if world_size > 1:
+        if exchange:
             op = plan.reduce_scatter_op
             in_flight.append(
                 comm.issue(

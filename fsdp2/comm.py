@@ -23,6 +23,7 @@ safe, so no ``record_stream`` is needed.
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections.abc import Callable, Iterator
 from typing import NamedTuple
@@ -91,6 +92,11 @@ class CommContext:
         self.ops: DeviceOps | None = DeviceOps(device) if device.type != "cpu" else None
         self._streams: dict[str, torch.Stream] = {}
         self.stats: CommStats | None = None  # set while ``comm_stats`` is open
+        # For checks, not users: a world of one rank issues its collectives all
+        # the same (a one-rank NCCL communicator runs its kernels, so one GPU
+        # exercises the streams, events and reduction ops): FSDP2_FORCE_COLLECTIVES=1
+        # in the environment when the context is made (scripts/gpu_check.py).
+        self.force_collectives = os.environ.get("FSDP2_FORCE_COLLECTIVES", "0") == "1"
         # Accelerators: ``set_post_optim_event``'s event, waited for by the next copy-in.
         self.post_optim_event: torch.Event | None = None
         # Accelerators, see [Note: the copy-in stream]: whether the copy-in stream
@@ -160,7 +166,7 @@ class CommContext:
         return InFlight(None, event, ops, label, stats)
 
     @contextlib.contextmanager
-    def copy_in(self) -> Iterator[None]:
+    def copy_in(self, written: torch.Event | None = None) -> Iterator[None]:
         """Accelerators: runs an all-gather's copy-in (and its buffer's
         allocation) on the copy-in stream. [Note: the copy-in stream]
 
@@ -172,6 +178,8 @@ class CommContext:
         allocated on this stream, and their bytes may be reused here only once
         the copy-outs have read them. An all-gather is thus not ordered after the compute of
         the group before it, and the copy-in runs off the compute stream.
+        ``written``: the event after the current stream wrote the shard this
+        copy-in reads since the catch-up (``shard_written``), waited for too.
         """
         ops = self.ops
         if ops is None:
@@ -184,12 +192,21 @@ class CommContext:
                 self._replicated_event, self.post_optim_event = event, None
             else:
                 stream.wait_stream(ops.current_stream())
+        if written is not None:
+            stream.wait_event(written)
         if self._copied_out_event is not None:
             stream.wait_event(self._copied_out_event)
             self._copied_out_event = None
             self._copied_out.clear()
         with stream:
             yield
+
+    def shard_written(self) -> torch.Event | None:
+        """Accelerators: the event after the current stream wrote a shard that a
+        later copy-in reads (the post-forward shard, written in forward after
+        the copy-in stream caught up: a module run twice in one forward reads
+        it then); that copy-in waits for it (``copy_in(written=...)``)."""
+        return None if self.ops is None else self.ops.current_stream().record_event()
 
     def copied_out(self, buffer: torch.Tensor) -> None:
         """Accelerators: the current stream has read (or dropped) ``buffer``, an
@@ -199,8 +216,10 @@ class CommContext:
             self._copied_out_event = self.ops.current_stream().record_event()
 
     def release_copied_out(self) -> None:
-        """This context is being replaced (lazy init): its copy-in stream waits
-        for the buffers it still holds, which can then go."""
+        """The end of backward (or of a reset), or this context is being
+        replaced (lazy init): the copy-in stream waits for the buffers still
+        held, which can then go (else the last block's backward buffer would
+        live through the optimizer step)."""
         if self.ops is not None and (event := self._copied_out_event) is not None:
             self._stream(self.ops, "all_gather_copy_in").wait_event(event)
             self._copied_out_event = None

@@ -3,14 +3,16 @@ without blocking the host, and the one host sync per backward that makes them
 readable.
 
 Each reduced grad is copied on the current stream into a new pinned buffer
-(``copy_to_host``). That buffer becomes the sharded grad, or is added to the
-existing one (accumulation) once the host has waited. ``HostGradCopies``
-remembers the event after the latest copy and the additions still to make;
-its ``wait`` runs once, at the end of backward.
+(``copy_to_host``). Once the host has waited, that buffer becomes the sharded
+grad, or is added to the existing one (accumulation): ``.grad`` never shows
+bytes still in flight. ``HostGradCopies`` remembers the event after the latest
+copy and what to do with each copy; its ``wait`` runs once, at the end of
+backward.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -23,11 +25,15 @@ class HostCopy(NamedTuple):
     the current stream, which the host reads only after ``HostGradCopies.wait``."""
 
     copy: torch.Tensor  # pinned, shaped like the local shard, in the parameter's dtype
-    add_to: torch.Tensor | None  # the grad it is added to then; None: it is the grad
+    # Once the host has waited: the grad ``copy`` is added to, or what makes it the grad.
+    add_to: torch.Tensor | Callable[[torch.Tensor], None]
 
 
 def copy_to_host(
-    local_grad: torch.Tensor, dtype: torch.dtype, add_to: torch.Tensor | None, ops: DeviceOps
+    local_grad: torch.Tensor,
+    dtype: torch.dtype,
+    add_to: torch.Tensor | Callable[[torch.Tensor], None],
+    ops: DeviceOps,
 ) -> HostCopy:
     """Starts copying ``local_grad`` (on the device) into new pinned host memory."""
     host = ops.pinned_empty(local_grad.shape, dtype)
@@ -40,19 +46,24 @@ class HostGradCopies:
 
     def __init__(self) -> None:
         self._event: torch.Event | None = None  # after the latest copy
-        self._additions: list[tuple[torch.Tensor, torch.Tensor]] = []  # (grad, copy)
+        self._copies: list[HostCopy] = []
 
     def add(self, copies: list[HostCopy], ops: DeviceOps) -> None:
         """``copies`` were just issued on the current stream."""
         if copies:
             self._event = ops.current_stream().record_event()
-            self._additions += [(c.add_to, c.copy) for c in copies if c.add_to is not None]
+            self._copies += copies
 
-    def wait(self) -> None:
-        """The host waits for every copy, then adds those that accumulate."""
+    def wait(self, discard: bool = False) -> None:
+        """The host waits for every copy, then adds each to its grad or makes
+        it the grad; ``discard`` (a reset): the copies are dropped instead."""
         if self._event is not None:
             self._event.synchronize()
             self._event = None
-        for grad, copy in self._additions:
-            grad.add_(copy)
-        self._additions.clear()
+        if not discard:
+            for copy, add_to in self._copies:
+                if isinstance(add_to, torch.Tensor):
+                    add_to.add_(copy)
+                else:
+                    add_to(copy)
+        self._copies.clear()

@@ -362,6 +362,9 @@ class FSDPParam:
             stride=_contiguous_strides(self.orig_size),
         )
 
+    def _assign_sharded_grad(self, local: torch.Tensor) -> None:
+        self.sharded_param.grad = self._as_sharded_grad(local)
+
     def _as_sharded_grad(self, local: torch.Tensor) -> DTensor:
         if self._grad_spec is None:
             self._grad_spec = dtensor_spec(
@@ -546,17 +549,14 @@ class FSDPParam:
         """Adds this rank's reduced rows (unpadded, shaped like the local shard)
         to the sharded grad. With ``CPUOffloadPolicy`` on an accelerator they
         are copied to pinned host memory without blocking the host: returns
-        the copy, which is the grad or is added to it once the host has waited
-        for the current stream (``HostGradCopies.wait``, once at
-        the end of backward)."""
+        the copy, which becomes the grad or is added to it once the host has
+        waited for the current stream (``HostGradCopies.wait``, once at the end
+        of backward): ``.grad`` never shows bytes still in flight."""
         grad = self.sharded_param.grad
         hooks = post_accumulate_grad_hooks(self.sharded_param)
         if self.offload and self.pin_memory and ops is not None and not hooks:
-            add_to = None if grad is None else local_tensor(grad)
-            copy = copy_to_host(local_grad, self.orig_dtype, add_to, ops)
-            if grad is None:
-                self.sharded_param.grad = self._as_sharded_grad(copy.copy)
-            return copy
+            add_to = self._assign_sharded_grad if grad is None else local_tensor(grad)
+            return copy_to_host(local_grad, self.orig_dtype, add_to, ops)
         local_grad = local_grad.to(self.shard_device, self.orig_dtype)
         if grad is None:
             self.sharded_param.grad = self._as_sharded_grad(local_grad)

@@ -108,6 +108,8 @@ class FSDPParamGroup:
         # SHARDED_POST_FORWARD: this rank's block of every parameter over the
         # small group, flat (post-forward slot of each parameter, in order).
         self._post_forward_shard: torch.Tensor | None = None
+        # Accelerators: recorded after it was written, waited for by its copy-in.
+        self._post_forward_shard_written: torch.Event | None = None
         self.fqn = ""  # module path from the root, set at lazy init
         self.position = 0  # in the root's pre-order, set at lazy init (order check)
         # For messages: the path(s) from the root, or "(root)"; see lazy init.
@@ -142,7 +144,10 @@ class FSDPParamGroup:
             self._copy_in_and_issue()
             return
         # The copy-in, an extension's pre_all_gather included, off the compute stream.
-        with comm.copy_in():
+        written = self._post_forward_shard_written
+        if self.sharded_state is not ShardedState.SHARDED_POST_FORWARD:
+            written = None
+        with comm.copy_in(written):
             self._copy_in_and_issue()
 
     def _copy_in_and_issue(self) -> None:
@@ -243,6 +248,7 @@ class FSDPParamGroup:
             for out in p.all_gather_outputs(info.shard_world_size)
         ]
         self._post_forward_shard = torch.cat(blocks)
+        self._post_forward_shard_written = self.root_ctx.comm.shard_written()
         self._to_sharded()
         self.sharded_state = ShardedState.SHARDED_POST_FORWARD
 
@@ -354,6 +360,7 @@ class FSDPParamGroup:
             info.replicate_world_size,
             self.gradient_divide_factor,
             self.force_sum_reduction_for_comms,
+            one_rank_collectives=self.root_ctx.comm.force_collectives,
         )
         return reduce_scatter(
             taken.fsdp_params,

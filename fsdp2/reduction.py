@@ -190,6 +190,8 @@ class ReductionPipeline:
             self.finish_all_reduces()
             self.finish_hooks()
         self.root_ctx.comm.grads_to_host.wait()
+        # The last all-gather buffers go now, not at the next forward's copy-in.
+        self.root_ctx.comm.release_copied_out()
         for group in groups:
             group.finalize_backward()
 
@@ -211,7 +213,8 @@ class ReductionPipeline:
         for _, event in self.hooks:
             comm.wait_event(event)  # a stream wait, then the buffers can go
         self.hooks.clear()
-        comm.grads_to_host.wait()
+        comm.grads_to_host.wait(discard=True)  # this iteration's grads are dropped
+        comm.release_copied_out()
 
 
 def _output_slots(reduced: ReduceInFlight) -> list[torch.Tensor]:

@@ -1,55 +1,155 @@
-"""One command for a GPU (``make gpu-check``): the accelerator path, measured.
+"""One command for a GPU (``make gpu-check``): the accelerator path, proved and measured.
 
-On a CUDA machine it prints one table, in a few minutes:
+Made for a machine with ONE GPU (a few minutes in all): at world size 1 the
+engine is told to issue its collectives all the same (``FSDP2_FORCE_COLLECTIVES=1``,
+a switch for checks): NCCL runs its kernels on a one-rank communicator, so the
+comm streams, the events, the copy-in stream, NCCL's ``AVG`` and
+``PREMUL_SUM``, the CPU-offload copies and an HSDP (1, 1) all-reduce execute.
+With 2 GPUs or more it also runs at that world size. Each world:
 
 - parity on a small Llama (scripts/llama.py), fp32 and bf16 (``param_dtype``
   bf16, ``reduce_dtype`` fp32): fsdp2 against torch's ``fully_shard`` and
-  against the unsharded model, after a few SGD steps, with real NCCL on every
-  visible GPU (world size 1 on one GPU);
-- torch's fake process group at world size 8 (no data moves): both run, and
-  fsdp2's local shards have torch's shapes;
-- a ``torch.profiler`` trace (written to ``runs/gpu_check_trace.json``) and
-  the fraction of all-gather / reduce-scatter kernel time that overlaps
-  compute kernels (needs 2 GPUs or more: a world of one exchanges nothing);
-- peak memory and step time against torch's ``fully_shard``;
-- CPU offload (``CPUOffloadPolicy``) step time against torch's.
+  against the unsharded model after a few SGD steps; HSDP with a gradient
+  divide factor (``PREMUL_SUM``) and CPU offload against the unsharded model;
+- the collectives fsdp2 issued (``comm_stats``): none may be skipped;
+- fsdp2's training under torch's CUDA sanitizer (``torch.cuda._sanitizer``,
+  which ``TORCH_CUDA_SANITIZER=1`` turns on for a whole program): its reports
+  of unsynchronized accesses between streams, 0 expected; then a deliberate
+  race (the all-gather's wait skipped), which must be reported;
+- peak memory (``torch.cuda.max_memory_allocated``) and step time against
+  torch's ``fully_shard``, default and CPU offload;
+- from a ``torch.profiler`` trace: communication kernel time per step and
+  the part of it no compute kernel overlaps (exposed).
 
-Without CUDA it prints one line saying why and exits 0. The stream protocol
-itself is checked without a GPU by tests/test_streams.py.
+Then torch's fake process group at world size 8: both run, shards shaped alike.
+One table at the end, also written as JSON under runs/.
+
+``--rehearse`` runs the same code on CPU (gloo for NCCL, world sizes 1 forced
+and 2, a smaller Llama, and tests/stream_model.py's model of streams in place of
+CUDA streams and of the sanitizer), so every line has run before it meets a
+GPU (tests/test_gpu_check.py runs it). Without CUDA and without ``--rehearse``
+it prints one line saying why and exits 0.
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import json
 import os
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT))
 
 from llama import Llama, LlamaConfig  # noqa: E402
 
 import fsdp2  # noqa: E402
+from fsdp2.comm import InFlight  # noqa: E402
 
-CONFIG = LlamaConfig(vocab_size=512, dim=256, n_layers=4, n_heads=4, max_seq_len=128)
-BATCH, SEQ = 8, 128
-PARITY_STEPS, TIMED_STEPS, WARMUP = 3, 10, 3
-TRACE = Path("runs") / "gpu_check_trace.json"
+GPU_CONFIG = LlamaConfig(vocab_size=512, dim=256, n_layers=4, n_heads=4, max_seq_len=128)
+REHEARSAL_CONFIG = LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=2, max_seq_len=8)
+FP32_TOL = 1e-4  # fsdp2 vs torch's fully_shard and vs the unsharded model, fp32
 
 
-def build(device: torch.device) -> nn.Module:
+class Setting(NamedTuple):
+    """Where the check runs: a GPU, or its rehearsal on CPU."""
+
+    rehearse: bool
+    device_type: str  # "cuda" or "cpu"
+    backend: str  # "nccl" or "gloo"
+    config: LlamaConfig
+    batch: int
+    seq: int
+    parity_steps: int
+    timed_steps: int
+    warmup: int
+
+    @classmethod
+    def make(cls, rehearse: bool) -> Setting:
+        if rehearse:
+            return cls(True, "cpu", "gloo", REHEARSAL_CONFIG, 2, 8, 2, 2, 1)
+        return cls(False, "cuda", "nccl", GPU_CONFIG, 8, 128, 3, 10, 3)
+
+
+class Row(NamedTuple):
+    name: str
+    value: str
+    verdict: str  # "ok", "FAIL", or "" (a measurement)
+
+
+def check(name: str, value: str, good: bool) -> Row:
+    return Row(name, value, "ok" if good else "FAIL")
+
+
+def measured(name: str, value: str) -> Row:
+    return Row(name, value, "")
+
+
+# -- the stream check: CUDA's sanitizer, or the model of streams --------------
+
+
+class StreamCheck:
+    """Unsynchronized accesses between streams in fsdp2's training: on CUDA
+    torch's sanitizer (it raises ``CUDASanitizerErrors`` at the first racing
+    op), in the rehearsal the model of streams (it records every violation)."""
+
+    def __init__(self, setting: Setting) -> None:
+        self.model: Any = None
+        if setting.rehearse:
+            sys.path.insert(0, str(ROOT / "tests"))
+            from stream_model import StreamModel
+
+            self.model = StreamModel()
+            self.mode: Any = self.model
+        else:
+            from torch.cuda._sanitizer import CUDASanitizerDispatchMode
+
+            self.mode = CUDASanitizerDispatchMode()
+        self.reports: list[str] = []
+
+    def plug(self, model: nn.Module) -> nn.Module:
+        """Before the first forward: the model of streams runs fsdp2's streams."""
+        if self.model is not None:
+            self.model.plug_into(model)
+        return model
+
+    @contextlib.contextmanager
+    def watching(self) -> Iterator[None]:
+        before = len(self.model.violations) if self.model is not None else 0
+        try:
+            with self.mode:
+                yield
+        except Exception as error:
+            if type(error).__name__ != "CUDASanitizerErrors":
+                raise
+            self.reports += [str(e) for e in error.errors]  # type: ignore[attr-defined]
+            raise
+        finally:
+            if self.model is not None:
+                self.reports += self.model.violations[before:]
+
+
+# -- models and steps ---------------------------------------------------------
+
+
+def build(setting: Setting, device: torch.device) -> nn.Module:
     torch.manual_seed(0)
-    return Llama(CONFIG).to(device)
+    return Llama(setting.config).to(device)
 
 
 def shard(model: nn.Module, fully_shard, **kwargs) -> nn.Module:
@@ -65,7 +165,7 @@ def torch_fully_shard():
     return fully_shard
 
 
-def torch_policies(bf16: bool, offload: bool) -> dict:
+def torch_policies(bf16: bool, offload: bool, pin_memory: bool = True) -> dict:
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
     kwargs: dict = {}
@@ -74,7 +174,8 @@ def torch_policies(bf16: bool, offload: bool) -> dict:
             param_dtype=torch.bfloat16, reduce_dtype=torch.float32
         )
     if offload:
-        kwargs["offload_policy"] = CPUOffloadPolicy()
+        # torch's pins at fully_shard, which needs an accelerator (not in the rehearsal).
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=pin_memory)
     return kwargs
 
 
@@ -89,23 +190,34 @@ def fsdp2_policies(bf16: bool, offload: bool) -> dict:
     return kwargs
 
 
-def batch(step: int, rank: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(setting: Setting, step: int, rank: int, device: torch.device):
     gen = torch.Generator().manual_seed(1000 * step + rank)
-    tokens = torch.randint(CONFIG.vocab_size, (BATCH, SEQ + 1), generator=gen)
+    tokens = torch.randint(
+        setting.config.vocab_size, (setting.batch, setting.seq + 1), generator=gen
+    )
     return tokens[:, :-1].to(device), tokens[:, 1:].to(device)
 
 
-def train_step(model: nn.Module, optim: torch.optim.Optimizer, inputs, targets) -> torch.Tensor:
+def train_step(
+    model: nn.Module, optim: torch.optim.Optimizer, inputs, targets, scale: float = 1.0
+) -> torch.Tensor:
     logits = model(inputs)
     loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
-    loss.backward()
+    (loss * scale).backward()
     optim.step()
     optim.zero_grad()
     return loss.detach()
 
 
 def full(param: torch.Tensor) -> torch.Tensor:
-    return param.full_tensor() if hasattr(param, "full_tensor") else param
+    """The whole parameter, gathered on its mesh's device: with CPU offload the
+    local shard is on the CPU while the mesh (NCCL) is on the GPU."""
+    if not isinstance(param, DTensor):
+        return param
+    local = param.to_local().to(param.device_mesh.device_type)
+    mesh, placements = param.device_mesh, param.placements
+    whole = DTensor.from_local(local, mesh, placements, shape=param.shape, stride=param.stride())
+    return whole.full_tensor()
 
 
 def max_param_diff(a: nn.Module, b: nn.Module) -> float:
@@ -115,63 +227,140 @@ def max_param_diff(a: nn.Module, b: nn.Module) -> float:
     )
 
 
-def parity(rank: int, world_size: int, device: torch.device, bf16: bool) -> dict:
-    """fsdp2 and torch's fully_shard from equal parameters, and the unsharded
-    reference (on every rank's batch, as DDP), after PARITY_STEPS SGD steps."""
-    models = {
-        "fsdp2": shard(build(device), fsdp2.fully_shard, **fsdp2_policies(bf16, False)),
-        "torch": shard(build(device), torch_fully_shard(), **torch_policies(bf16, False)),
-        "reference": build(device),
-    }
+class World(NamedTuple):
+    setting: Setting
+    rank: int
+    size: int
+    device: torch.device
+    label: str  # e.g. "x1 forced"
+
+    def synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def reference_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        everyone = [batch(self.setting, step, r, self.device) for r in range(self.size)]
+        return torch.cat([i for i, _ in everyone]), torch.cat([t for _, t in everyone])
+
+
+def parity(world: World, streams: StreamCheck, case: str) -> list[Row]:
+    """fsdp2 (and, for "fp32" and "bf16", torch's fully_shard) from equal
+    parameters, and the unsharded reference on every rank's batch (DDP
+    math), after a few SGD steps. "HSDP": mesh (replicas, 1) and a divide
+    factor of twice the world (PREMUL_SUM on NCCL; the reference's loss
+    halved); "CPU offload": the offload copies."""
+    setting, device, size = world.setting, world.device, world.size
+    bf16, offload, hsdp = case == "bf16", case == "CPU offload", case == "HSDP"
+    kwargs = fsdp2_policies(bf16, offload)
+    if hsdp:
+        mesh_shape, names = (size, 1), ("replicate", "shard")
+        kwargs["mesh"] = dist.device_mesh.init_device_mesh(
+            setting.device_type, mesh_shape, mesh_dim_names=names
+        )
+    mine = streams.plug(shard(build(setting, device), fsdp2.fully_shard, **kwargs))
+    if hsdp:
+        for module in mine.modules():
+            if isinstance(module, fsdp2.FSDPModule):  # not recursive
+                module.set_gradient_divide_factor(2.0 * size)
+    models = {"fsdp2": mine, "reference": build(setting, device)}
+    if case in ("fp32", "bf16"):
+        models["torch"] = shard(
+            build(setting, device), torch_fully_shard(), **torch_policies(bf16, False)
+        )
     optims = {k: torch.optim.SGD(m.parameters(), lr=0.1) for k, m in models.items()}
     losses: dict[str, list[float]] = {k: [] for k in models}
-    for step in range(PARITY_STEPS):
-        inputs, targets = batch(step, rank, device)
-        for name in ("fsdp2", "torch"):
-            loss = train_step(models[name], optims[name], inputs, targets)
-            dist.all_reduce(loss)
-            losses[name].append(loss.item() / world_size)
-        everyone = [batch(step, r, device) for r in range(world_size)]
-        ref_inputs = torch.cat([i for i, _ in everyone])
-        ref_targets = torch.cat([t for _, t in everyone])
-        ref = models["reference"]
-        if bf16:
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss = train_step(ref, optims["reference"], ref_inputs, ref_targets)
+    with fsdp2.comm_stats(mine) as stats:
+        for step in range(setting.parity_steps):
+            inputs, targets = batch(setting, step, world.rank, device)
+            for name in ("fsdp2", "torch"):
+                if name not in models:
+                    continue
+                with streams.watching() if name == "fsdp2" else contextlib.nullcontext():
+                    loss = train_step(models[name], optims[name], inputs, targets)
+                dist.all_reduce(loss)
+                losses[name].append(loss.item() / size)
+            ref, scale = models["reference"], 0.5 if hsdp else 1.0
+            autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
+            with autocast:
+                loss = train_step(ref, optims["reference"], *world.reference_batch(step), scale)
+            losses["reference"].append(loss.item())
+    rows = []
+    for other in [k for k in models if k != "fsdp2"]:
+        what = "unsharded" if other == "reference" else "torch's fully_shard"
+        loss_diff = max(abs(a - b) for a, b in zip(losses["fsdp2"], losses[other], strict=True))
+        param_diff = max_param_diff(mine, models[other])
+        name = f"{world.label} {case}: loss / param diff vs {what}"
+        value = f"{loss_diff:.2g} / {param_diff:.2g}"
+        if case == "bf16":
+            rows.append(measured(name, value))
         else:
-            loss = train_step(ref, optims["reference"], ref_inputs, ref_targets)
-        losses["reference"].append(loss.item())
-    return {
-        "loss diff vs torch": max(
-            abs(a - b) for a, b in zip(losses["fsdp2"], losses["torch"], strict=True)
-        ),
-        "param diff vs torch": max_param_diff(models["fsdp2"], models["torch"]),
-        "loss diff vs unsharded": max(
-            abs(a - b) for a, b in zip(losses["fsdp2"], losses["reference"], strict=True)
-        ),
-        "param diff vs unsharded": max_param_diff(models["fsdp2"], models["reference"]),
-    }
+            rows.append(check(name, value, max(loss_diff, param_diff) < FP32_TOL))
+    totals = stats.totals().values()
+    # HSDP (replicas, 1) exchanges nothing in its shard groups, unless forced.
+    sharding = not hsdp or size == 1 or os.environ.get("FSDP2_FORCE_COLLECTIVES") == "1"
+    kinds = (("all_gather", "reduce_scatter") if sharding else ()) + (
+        ("all_reduce",) if hsdp else ()
+    )
+    counts = {k: sum(s.of(k).count for s in totals) for k in kinds}
+    rows.append(
+        check(
+            f"{world.label} {case}: collectives issued",
+            ", ".join(f"{k} {n}" for k, n in counts.items()),
+            all(counts.values()),
+        )
+    )
+    return rows
 
 
-def timed(rank: int, device: torch.device, fully_shard, policies: dict) -> tuple[float, int]:
-    """Median step seconds and peak bytes allocated over TIMED_STEPS steps."""
-    model = shard(build(device), fully_shard, **policies)
+def deliberate_race(world: World) -> Row:
+    """One wait skipped (the copy-out does not wait for the all-gather): the
+    stream check must report it."""
+    streams = StreamCheck(world.setting)
+    model = streams.plug(shard(build(world.setting, world.device), fsdp2.fully_shard))
     optim = torch.optim.SGD(model.parameters(), lr=0.1)
-    for step in range(WARMUP):
-        train_step(model, optim, *batch(step, rank, device))
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
+    original = InFlight._wait
+
+    def skipping(self: InFlight) -> None:
+        if not self.label.startswith("all-gather"):
+            original(self)
+
+    InFlight._wait = skipping  # type: ignore[method-assign]
+    try:
+        with streams.watching():
+            train_step(model, optim, *batch(world.setting, 0, world.rank, world.device))
+    except Exception as error:
+        if type(error).__name__ != "CUDASanitizerErrors":
+            raise
+    finally:
+        InFlight._wait = original  # type: ignore[method-assign]
+    world.synchronize()
+    name = f"{world.label} deliberate race (all-gather wait skipped): reports"
+    return check(name, str(len(streams.reports)), len(streams.reports) > 0)
+
+
+def timed(world: World, fully_shard, policies: dict) -> tuple[float, int | None]:
+    """Median step seconds and peak bytes allocated (CUDA) over the timed steps."""
+    setting = world.setting
+    model = shard(build(setting, world.device), fully_shard, **policies)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(setting.warmup):
+        train_step(model, optim, *batch(setting, step, world.rank, world.device))
+    world.synchronize()
+    if world.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
     times = []
-    for step in range(TIMED_STEPS):
+    for step in range(setting.timed_steps):
         start = time.perf_counter()
-        train_step(model, optim, *batch(step, rank, device))
-        torch.cuda.synchronize()
+        train_step(model, optim, *batch(setting, step, world.rank, world.device))
+        world.synchronize()
         times.append(time.perf_counter() - start)
-    return statistics.median(times), torch.cuda.max_memory_allocated()
+    peak = torch.cuda.max_memory_allocated() if world.device.type == "cuda" else None
+    return statistics.median(times), peak
 
 
-def overlap_fraction(trace: Path) -> float:
-    """Of the NCCL kernels' time, the fraction during which a compute kernel ran."""
+def exposed_communication(trace: Path, steps: int) -> tuple[float, float]:
+    """Per step: communication kernel time and the part of it during which no
+    compute kernel ran (µs); NaN without kernels (CPU)."""
     events = json.loads(trace.read_text())["traceEvents"]
     kernels = [e for e in events if e.get("cat") == "kernel" and "dur" in e]
     comm = [(e["ts"], e["ts"] + e["dur"]) for e in kernels if "nccl" in e["name"].lower()]
@@ -190,108 +379,164 @@ def overlap_fraction(trace: Path) -> float:
         for start, end in comm
         for c_start, c_end in merged
     )
-    return covered / total if total else float("nan")
+    if not total:
+        return float("nan"), float("nan")
+    return total / steps, (total - covered) / steps
 
 
-def profile(rank: int, device: torch.device) -> float:
+def profile(world: World, trace: Path) -> Row:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    model = shard(build(device), fsdp2.fully_shard)
+    setting, steps = world.setting, 1 if world.setting.rehearse else 3
+    model = shard(build(setting, world.device), fsdp2.fully_shard)
     optim = torch.optim.SGD(model.parameters(), lr=0.1)
-    for step in range(WARMUP):
-        train_step(model, optim, *batch(step, rank, device))
-    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for step in range(3):
-            train_step(model, optim, *batch(step, rank, device))
-        torch.cuda.synchronize()
-    if rank == 0:
-        TRACE.parent.mkdir(parents=True, exist_ok=True)
-        prof.export_chrome_trace(str(TRACE))
-        return overlap_fraction(TRACE)
-    return float("nan")
+    for step in range(setting.warmup):
+        train_step(model, optim, *batch(setting, step, world.rank, world.device))
+    activities = [ProfilerActivity.CPU]
+    if world.device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    with torch_profile(activities=activities) as prof:
+        for step in range(steps):
+            train_step(model, optim, *batch(setting, step, world.rank, world.device))
+        world.synchronize()
+    name = f"{world.label} comm kernel µs/step, exposed µs/step ({trace.name})"
+    if world.rank != 0:
+        return measured(name, "rank 0's")  # only rank 0's rows are kept
+    prof.export_chrome_trace(str(trace))
+    total, exposed = exposed_communication(trace, steps)
+    if total != total:  # NaN
+        return measured(name, "n/a: no kernels in a CPU trace")
+    return measured(name, f"{total:.0f}, {exposed:.0f}")
 
 
-def worker(rank: int, world_size: int, store_path: str, result_path: str) -> None:
-    torch.cuda.set_device(rank)
-    device = torch.device("cuda", rank)
-    store = dist.FileStore(store_path, world_size)
-    dist.init_process_group("nccl", store=store, rank=rank, world_size=world_size)
-    rows: list[tuple[str, str]] = []
-    try:
-        for bf16 in (False, True):
-            result = parity(rank, world_size, device, bf16)
-            dtype = "bf16" if bf16 else "fp32"
-            for key, value in result.items():
-                rows.append((f"{dtype} NCCL x{world_size}: {key}", f"{value:.3g}"))
-        for offload in (False, True):
-            what = "CPU offload" if offload else "default"
-            mine = timed(rank, device, fsdp2.fully_shard, fsdp2_policies(False, offload))
-            theirs = timed(rank, device, torch_fully_shard(), torch_policies(False, offload))
+def run_world(world: World, trace_dir: Path) -> list[Row]:
+    streams = StreamCheck(world.setting)
+    rows = []
+    for case in ("fp32", "bf16", "HSDP", "CPU offload"):
+        rows += parity(world, streams, case)
+    checker = "model of streams" if world.setting.rehearse else "CUDA sanitizer"
+    rows.append(
+        check(
+            f"{world.label} {checker}: reports in fsdp2's training",
+            str(len(streams.reports))
+            + (f" (first: {streams.reports[0]})" if streams.reports else ""),
+            not streams.reports,
+        )
+    )
+    for offload in (False, True):
+        what = "CPU offload" if offload else "default"
+        mine = timed(world, fsdp2.fully_shard, fsdp2_policies(False, offload))
+        policies = torch_policies(False, offload, pin_memory=world.device.type == "cuda")
+        theirs = timed(world, torch_fully_shard(), policies)
+        rows.append(
+            measured(
+                f"{world.label} {what}: step ms, fsdp2 / torch",
+                f"{mine[0] * 1e3:.1f} / {theirs[0] * 1e3:.1f}",
+            )
+        )
+        if mine[1] is None or theirs[1] is None:
+            rows.append(measured(f"{world.label} {what}: peak MiB", "n/a on CPU"))
+        else:
             rows.append(
-                (
-                    f"{what}: step ms, fsdp2 / torch",
-                    f"{mine[0] * 1e3:.1f} / {theirs[0] * 1e3:.1f}",
+                measured(
+                    f"{world.label} {what}: peak MiB, fsdp2 / torch",
+                    f"{mine[1] / 2**20:.1f} / {theirs[1] / 2**20:.1f}",
                 )
             )
-            if not offload:
-                rows.append(
-                    (
-                        f"{what}: peak MiB, fsdp2 / torch",
-                        f"{mine[1] / 2**20:.1f} / {theirs[1] / 2**20:.1f}",
-                    )
-                )
-        if world_size >= 2:
-            fraction = profile(rank, device)
-            rows.append((f"comm kernel time overlapping compute ({TRACE})", f"{fraction:.2f}"))
-        else:
-            rows.append(("comm kernel time overlapping compute", "n/a: one GPU, no collective"))
+    rows.append(profile(world, trace_dir / f"gpu_check_trace_x{world.size}.json"))
+    if world.size == 1:  # a race must not leave peers waiting: alone only
+        rows.append(deliberate_race(world))
+    return rows
+
+
+def worker(
+    rank: int, world_size: int, forced: bool, setting: Setting, store_path: str, out: str
+) -> None:
+    if forced:
+        os.environ["FSDP2_FORCE_COLLECTIVES"] = "1"  # read as each comm context is made
+    if setting.device_type == "cuda":
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+    else:
+        device = torch.device("cpu")
+    store = dist.FileStore(store_path, world_size)
+    dist.init_process_group(setting.backend, store=store, rank=rank, world_size=world_size)
+    label = f"x{world_size}" + (" forced" if forced else "")
+    try:
+        rows = run_world(World(setting, rank, world_size, device, label), Path(out).parent)
     finally:
         dist.destroy_process_group()
     if rank == 0:
-        Path(result_path).write_text(json.dumps(rows))
+        Path(out).write_text(json.dumps(rows))
 
 
-def fake_world_of_8() -> list[tuple[str, str]]:
-    """torch's fake process group at world size 8 on this GPU: no data moves, so
-    only that both run and shard alike is checked."""
+def fake_world_of_8(setting: Setting) -> list[Row]:
+    """torch's fake process group at world size 8: no data moves, so only that
+    both run and shard alike is checked."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
     try:
-        device = torch.device("cuda", 0)
-        mine = shard(build(device), fsdp2.fully_shard)
-        theirs = shard(build(device), torch_fully_shard())
+        device = torch.device(setting.device_type, 0)
+        mine = shard(build(setting, device), fsdp2.fully_shard)
+        theirs = shard(build(setting, device), torch_fully_shard())
         for model in (mine, theirs):
             optim = torch.optim.SGD(model.parameters(), lr=0.1)
-            train_step(model, optim, *batch(0, 0, device))
+            train_step(model, optim, *batch(setting, 0, 0, device))
         same = all(
             p.to_local().shape == q.to_local().shape
             for p, q in zip(mine.parameters(), theirs.parameters(), strict=True)
         )
     finally:
         dist.destroy_process_group()
-    return [("fake PG x8: a step runs, local shards shaped as torch's", "yes" if same else "NO")]
+    return [check("fake PG x8: a step runs, local shards shaped as torch's", str(same), same)]
 
 
-def main() -> int:
-    if not torch.cuda.is_available():
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rehearse", action="store_true", help="on CPU, the same code")
+    parser.add_argument("--out", type=Path, default=ROOT / "runs", help="JSON and traces")
+    args = parser.parse_args(argv)
+    if not args.rehearse and not torch.cuda.is_available():
         print("gpu-check: skipped: no CUDA device here (torch.cuda.is_available() is False).")
         return 0
-    world_size = min(torch.cuda.device_count(), 8)
+    setting = Setting.make(args.rehearse)
+    if args.rehearse:
+        worlds, where = [(1, True), (2, False)], "CPU rehearsal (gloo, model of streams)"
+    else:
+        gpus = min(torch.cuda.device_count(), 8)
+        worlds = [(1, True)] + ([(gpus, False)] if gpus > 1 else [])
+        where = f"{torch.cuda.get_device_name(0)}, {gpus} GPU(s)"
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    out_dir = args.out / f"gpu_check_{'rehearsal_' if args.rehearse else ''}{stamp}"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    rows: list[Row] = []
     with tempfile.TemporaryDirectory() as tmp:
-        result = os.path.join(tmp, "rows.json")
-        store = os.path.join(tmp, "store")
-        mp.spawn(worker, args=(world_size, store, result), nprocs=world_size, join=True)
-        rows = [tuple(r) for r in json.loads(Path(result).read_text())]
-    rows += fake_world_of_8()
-    width = max(len(name) for name, _ in rows)
-    print(
-        f"gpu-check on {torch.cuda.get_device_name(0)}, {world_size} GPU(s), torch {torch.__version__}"
-    )
-    for name, value in rows:
-        print(f"{name:<{width}}  {value}")
-    return 0
+        for size, forced in worlds:
+            result = out_dir / f"rows_x{size}.json"
+            store = os.path.join(tmp, f"store_x{size}")
+            mp.spawn(
+                worker,
+                args=(size, forced, setting, store, str(result)),
+                nprocs=size,
+                join=True,
+            )
+            rows += [Row(*r) for r in json.loads(result.read_text())]
+    rows += fake_world_of_8(setting)
+    if args.rehearse:
+        rows.append(measured("CUDA sanitizer", "skipped on CPU: the model of streams stood in"))
+    seconds = time.perf_counter() - started
+    width = max(len(r.name) for r in rows)
+    print(f"gpu-check on {where}, torch {torch.__version__}, {seconds:.0f} s")
+    for row in rows:
+        print(f"{row.name:<{width}}  {row.verdict or '':<4}  {row.value}")
+    table = out_dir / "gpu_check.json"
+    summary = {"where": where, "torch": torch.__version__, "seconds": seconds}
+    table.write_text(json.dumps({**summary, "rows": [r._asdict() for r in rows]}, indent=1))
+    print(f"table: {table}")
+    return 1 if any(r.verdict == "FAIL" for r in rows) else 0
 
 
 if __name__ == "__main__":

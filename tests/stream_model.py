@@ -205,6 +205,20 @@ class StreamModel(TorchDispatchMode):
             if self.host_clock.get(stream, 0) < tick:
                 self.host_clock[stream] = tick
 
+    def host_may_read(self, tensor: torch.Tensor) -> bool:
+        """Whether every non-blocking copy into ``tensor``'s bytes (a device's
+        write to host memory) is ordered before what the host has synchronized
+        with: only then may host code read it."""
+        span = _byte_span(tensor)
+        if span is None or (buffer := self.buffers.get(span[0])) is None:
+            return True
+        _, start, end = span
+        return all(
+            self.host_clock.get(a.stream, 0) >= a.tick
+            for a in buffer.accesses
+            if a.op == "copy_(non_blocking)" and a.start < end and start < a.end
+        )
+
     def plug_into(self, model: nn.Module) -> None:
         """Makes every sharded module of ``model`` (before its first forward)
         run its streams and events through this model."""
@@ -319,6 +333,12 @@ class StreamModel(TorchDispatchMode):
 
     def _forget(self, buffer: Buffer) -> None:
         self.histories.append(self._history(buffer))
+
+    def alive(self, kind: str) -> int:
+        """Buffers of ``kind`` (the first op writing them) alive now, after a
+        collection (cyclic garbage the collector has not reached is not held)."""
+        gc.collect()
+        return self._alive(kind)
 
     def _alive(self, kind: str) -> int:
         """Buffers of ``kind`` whose storage still holds bytes (a storage

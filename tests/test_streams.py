@@ -1,8 +1,9 @@
-"""The accelerator path's stream protocol, run on 2 gloo ranks under the stream
-model (tests/stream_model.py): every scenario trains a few steps with fsdp2's
-streams and events going through the model, which must report no access that
-is not ordered after a conflicting one and no free before a use on another
-stream. The negative control (waits disabled) must report some."""
+"""The accelerator path's stream protocol, run on gloo ranks (2, and 4 for the
+wide scenarios) under the stream model (tests/stream_model.py): every scenario
+trains a few steps with fsdp2's streams and events going through the model,
+which must report no access that is not ordered after a conflicting one and
+no free before a use on another stream. The negative controls (waits
+disabled; the post-forward shard's wait dropped) must report some."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.nn.functional as F
 from dist import fake_world, run_ranks
 from models import build_model, global_batch, local_batch, mean_loss, shard_model
 from stream_model import StreamModel
@@ -22,8 +24,10 @@ from test_extension import Model as ExtensionModel
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import checkpoint
 
 import fsdp2
+from fsdp2.comm import CommContext
 
 STEPS = 3
 
@@ -50,6 +54,41 @@ SCENARIOS = [
     "share_comm_ctx",
 ]
 
+# Wider: (name, world size). A model whose middle layer runs twice in one
+# forward, so twice in one backward (weights shared across depth), alone, with
+# its calls checkpointed (recomputed in backward), with an int
+# reshard_after_forward below the shard group's size (a post-forward shard over
+# 2 of 4 ranks), with CPU offload and accumulation, and HSDP. (HSDP's int can
+# only be 1 or the shard group's size below 8 ranks: 2 here, i.e. True.)
+WIDE_SCENARIOS = [
+    ("twice", 2),
+    ("twice, checkpointed", 2),
+    ("twice, reshard_after_forward=2", 4),
+    ("twice, checkpointed, reshard_after_forward=2, CPU offload, accumulation", 4),
+    ("HSDP (2, 2), twice, checkpointed, reshard_after_forward=2", 4),
+]
+
+
+class SharedDepth(nn.Module):
+    """The MLP's shape with its middle layer (33 -> 33) run twice per forward;
+    ``checkpointed``: each of those calls is recomputed in backward."""
+
+    def __init__(self, checkpointed: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList([nn.Linear(17, 33), nn.Linear(33, 33), nn.Linear(33, 7)])
+        self.checkpointed = checkpointed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.relu(self.layers[0](x))
+        for _ in range(2):
+            if self.checkpointed:
+                x = checkpoint(self.layers[1], x, use_reentrant=False)
+            else:
+                x = self.layers[1](x)
+            x = F.relu(x)
+        return self.layers[2](x)
+
 
 class HookFailed(Exception):
     pass
@@ -70,6 +109,11 @@ class Run:
         self.backward_points: list[tuple[tuple[int, int], int]] = []
         self.step_starts: list[int] = []
         self.params = 0  # of the models trained
+        # CPU offload: per check (in backward, at the step), whether every grad
+        # the host can see (``.grad``) has been waited for.
+        self.grads_readable: list[bool] = []
+        # At each optimizer step: all-gather buffers still alive (none should be).
+        self.all_gather_buffers_at_step: list[int] = []
 
     @property
     def optimizer_stream(self) -> Any:
@@ -80,6 +124,15 @@ class Run:
 
 def _shard(name: str) -> nn.Module:
     kwargs: dict = {}
+    if name.startswith("HSDP (2, 2)"):
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        kwargs["mesh"] = mesh
+    if "reshard_after_forward=2" in name:
+        kwargs["reshard_after_forward"] = 2
+    if "CPU offload" in name:
+        kwargs["offload_policy"] = fsdp2.CPUOffloadPolicy()
+    if name.startswith(("twice", "HSDP (2, 2)")):
+        return shard_model(SharedDepth(checkpointed="checkpointed" in name), **kwargs)
     if name == "reshard_after_forward=False":
         kwargs["reshard_after_forward"] = False
     elif name == "reshard_after_forward=1":
@@ -88,17 +141,26 @@ def _shard(name: str) -> nn.Module:
         kwargs["mp_policy"] = fsdp2.MixedPrecisionPolicy(
             param_dtype=torch.bfloat16, reduce_dtype=torch.float32
         )
-    elif name.startswith("CPU offload"):
-        kwargs["offload_policy"] = fsdp2.CPUOffloadPolicy()
-    elif name.startswith("HSDP"):
+    elif name.startswith("HSDP") and "mesh" not in kwargs:
         kwargs["mesh"] = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
     if name == "extension":
         return shard_model(ExtensionModel(trainable=True))
     return shard_model(build_model("mlp"), **kwargs)
 
 
+def _check_grads_readable(model: nn.Module, run: Run) -> None:
+    grads = [p.grad for p in model.parameters() if isinstance(p.grad, DTensor)]
+    run.grads_readable.append(all(run.streams.host_may_read(g.to_local()) for g in grads))
+
+
 def _configure(name: str, model: nn.Module, run: Run) -> None:
     layers = list(model.layers)
+    if "CPU offload" in name:
+        # By the first layer's backward the last layers' grads are reduced and
+        # their params resharded: a hook (or a peer thread) may read their .grad.
+        layers[0].register_full_backward_pre_hook(
+            lambda module, grad_output: _check_grads_readable(model, run)
+        )
     if name == "explicit prefetch":
         for before, after in zip(layers, layers[1:], strict=False):
             before.set_modules_to_forward_prefetch([after])
@@ -195,6 +257,9 @@ def _backward(
 
 
 def _optimizer_step(name: str, model: nn.Module, optim: torch.optim.Optimizer, run: Run) -> None:
+    run.all_gather_buffers_at_step.append(run.streams.alive("_foreach_copy_"))
+    if "CPU offload" in name:
+        _check_grads_readable(model, run)
     if name == "optimizer on a side stream":
         # As the docs of set_post_optim_event suggest: the step on its own stream.
         side = run.optimizer_stream
@@ -310,12 +375,14 @@ def _scenario(rank: int, world_size: int, name: str) -> None:
     # Memory: at most two groups' all-gather buffers alive (the running group's
     # and one prefetch), and K reduce-scatter inputs with a queue of K.
     assert streams.peak_alive.get("_foreach_copy_", 0) <= 2, streams.peak_alive
+    # None outlives backward (the final callback releases them) into the step.
+    assert not any(run.all_gather_buffers_at_step), run.all_gather_buffers_at_step
     if not name.startswith("HSDP"):  # there the input is the output, kept to the end
         queue = 2 if name == "reduce-scatter queue of 2" else 1
         assert streams.peak_alive.get("_chunk_cat", 0) == queue, streams.peak_alive
     # The collectives ran on comm streams, not on the compute stream.
     assert sum(n for s, n in streams.ops_by_stream.items() if s != "current") > 0
-    if name.startswith("CPU offload"):
+    if "CPU offload" in name:
         # Every reduced grad reaches the host through pinned memory by a copy that
         # does not block the host (added to the grad it accumulates into after
         # the sync), so none by a blocking copy; one host sync per backward.
@@ -323,6 +390,9 @@ def _scenario(rank: int, world_size: int, name: str) -> None:
         copies = (streams.pinned, streams.non_blocking_copies)
         assert copies == (run.params * backwards,) * 2, (copies, run.params, backwards)
         assert streams.host_syncs == backwards, streams.host_syncs
+        # A grad becomes .grad only once the host has waited for its copy.
+        assert len(run.grads_readable) == STEPS + backwards, run.grads_readable
+        assert all(run.grads_readable), run.grads_readable
     else:
         assert streams.host_syncs == 0, streams.host_syncs
     if name == "no forward prefetch":
@@ -348,6 +418,12 @@ def test_scenario_has_no_unordered_access(tmp_path: Path, name: str) -> None:
     run_ranks(_scenario, 2, tmp_path, name)
 
 
+@pytest.mark.distributed
+@pytest.mark.parametrize(("name", "world_size"), WIDE_SCENARIOS)
+def test_wide_scenario_has_no_unordered_access(tmp_path: Path, name: str, world_size: int) -> None:
+    run_ranks(_scenario, world_size, tmp_path, name)
+
+
 def _without_waits(rank: int, world_size: int) -> None:
     streams = StreamModel(waits=False)
     _train("plain", streams, rank, world_size)
@@ -363,6 +439,27 @@ def _without_waits(rank: int, world_size: int) -> None:
 @pytest.mark.distributed
 def test_negative_control_without_waits_reports_violations(tmp_path: Path) -> None:
     run_ranks(_without_waits, 2, tmp_path)
+
+
+def _without_post_forward_shard_wait(rank: int, world_size: int) -> None:
+    # The wait for the post-forward shard dropped: nothing else orders its write
+    # (torch.cat on the compute stream) before the second call's copy-in reads it.
+    CommContext.shard_written = lambda self: None  # type: ignore[method-assign]
+    streams = StreamModel()
+    _train("twice, reshard_after_forward=2", streams, rank, world_size)
+    race = "_foreach_copy_ reads on stream 'all_gather_copy_in'"
+    assert streams.violations, "the race went unreported"
+    assert all(
+        race in v and "that cat wrote on stream 'current'" in v for v in streams.violations
+    ), sorted(set(streams.violations))[:5]
+    dist.barrier()
+
+
+@pytest.mark.distributed
+def test_negative_control_without_the_post_forward_shard_wait(tmp_path: Path) -> None:
+    """A module run twice in one forward with reshard_after_forward=2 of 4 ranks:
+    without ``CommContext.shard_written`` the model reports the race, and only it."""
+    run_ranks(_without_post_forward_shard_wait, 4, tmp_path)
 
 
 def _reset_runs_nothing(rank: int, world_size: int) -> None:
