@@ -42,6 +42,10 @@ class DividePlan(NamedTuple):
     reduce_scatter_op: ReduceOp
     all_reduce_op: ReduceOp  # HSDP: across replicas
     post_divisor: float | None  # of the output, after the last collective
+    # The post-division stands in for an averaging op the backend lacks (gloo):
+    # made before the all-reduce hook, which then sees what an averaging
+    # collective gives. Else (NCCL) it follows the hook, as torch's does.
+    divides_before_hook: bool = False
 
 
 def divide_plan(
@@ -82,7 +86,7 @@ def divide_plan(
     if backend != "nccl":
         if reduce_dtype.itemsize < 4:
             return DividePlan(_unless_one(divisor), SUM, SUM, None)
-        return DividePlan(None, SUM, SUM, _unless_one(divisor))
+        return DividePlan(None, SUM, SUM, _unless_one(divisor), divides_before_hook=True)
     no_overflow_risk = reduce_dtype in (torch.float32, torch.bfloat16)
     if no_overflow_risk and not force_sum:
         if factor is None:
@@ -212,11 +216,17 @@ def copy_out(result: AllGatherInFlight, outputs: list[torch.Tensor]) -> None:
     world_size = outputs[0].size(0)
     gathered = result.all_gather_output.view(world_size, -1)
     slot_numels = [out.numel() // world_size for out in outputs]
-    if all(out.dim() == 2 for out in outputs):  # every parameter sharded on dim 0
-        torch.split_with_sizes_copy(gathered, slot_numels, dim=1, out=outputs)
-        return
-    for src, out in zip(gathered.split_with_sizes(slot_numels, dim=1), outputs, strict=True):
-        out.copy_(src.view(out.shape))
+    # One fused copy. A parameter sharded on a dim > 0 has a strided (W, pre,
+    # chunk, post) view, which the fused copy cannot write: it gets a (W, slot)
+    # buffer of its own, copied into the view after (the others stay fused).
+    staged = [
+        out if out.dim() == 2 else out.new_empty(world_size, n)
+        for out, n in zip(outputs, slot_numels, strict=True)
+    ]
+    torch.split_with_sizes_copy(gathered, slot_numels, dim=1, out=staged)
+    for stage, out in zip(staged, outputs, strict=True):
+        if stage is not out:
+            out.copy_(stage.view(out.shape))
 
 
 @torch.no_grad()

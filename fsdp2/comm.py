@@ -106,6 +106,9 @@ class CommContext:
         self._copy_in_synced = False
         self._copied_out: list[torch.Tensor] = []
         self._copied_out_event: torch.Event | None = None
+        # The events after all-gathers dropped unread (``dropped``): their buffers,
+        # among ``_copied_out``, go once the copy-in stream has waited for them.
+        self._dropped_events: list[torch.Event] = []
         # Where the replicated parameters are copied (the current stream): it waits
         # for the post-optimizer event once too.
         self._replicated_event: torch.Event | None = None
@@ -194,10 +197,7 @@ class CommContext:
                 stream.wait_stream(ops.current_stream())
         if written is not None:
             stream.wait_event(written)
-        if self._copied_out_event is not None:
-            stream.wait_event(self._copied_out_event)
-            self._copied_out_event = None
-            self._copied_out.clear()
+        self._release_copied_out(stream)
         with stream:
             yield
 
@@ -215,15 +215,35 @@ class CommContext:
             self._copied_out.append(buffer)
             self._copied_out_event = self.ops.current_stream().record_event()
 
+    def dropped(self, buffer: torch.Tensor, in_flight: InFlight) -> None:
+        """An all-gather into ``buffer`` will not be read (a prefetch whose module
+        did not run). Every rank issued it, so it must complete: on CPU it is
+        waited for; on accelerators the compute stream does not wait for it,
+        the buffer is held until the copy-in stream (where its bytes return)
+        has waited for the collective's event."""
+        if self.ops is None or in_flight.event is None:
+            in_flight.wait()
+            self.copied_out(buffer)
+            return
+        self._copied_out.append(buffer)
+        self._dropped_events.append(in_flight.event)
+
     def release_copied_out(self) -> None:
         """The end of backward (or of a reset), or this context is being
         replaced (lazy init): the copy-in stream waits for the buffers still
         held, which can then go (else the last block's backward buffer would
         live through the optimizer step)."""
-        if self.ops is not None and (event := self._copied_out_event) is not None:
-            self._stream(self.ops, "all_gather_copy_in").wait_event(event)
+        if self.ops is not None:
+            self._release_copied_out(self._stream(self.ops, "all_gather_copy_in"))
+
+    def _release_copied_out(self, copy_in_stream: torch.Stream) -> None:
+        if self._copied_out_event is not None:
+            copy_in_stream.wait_event(self._copied_out_event)
             self._copied_out_event = None
-            self._copied_out.clear()
+        for event in self._dropped_events:
+            copy_in_stream.wait_event(event)
+        self._dropped_events.clear()
+        self._copied_out.clear()
 
     def shards_may_change(self) -> None:
         """A forward or backward ended: the next copy-in waits for the current

@@ -192,6 +192,7 @@ class FSDPModule:
             )
         for group in self._param_groups(recurse=False):
             group.gradient_divide_factor = float(factor)
+            group.clear_divide_plan()
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
         """Deprecated name of :meth:`set_gradient_divide_factor` (as in torch)."""
@@ -217,6 +218,7 @@ class FSDPModule:
             raise TypeError(f"set_force_sum_reduction_for_comms takes a bool, got {enable!r}.")
         for group in self._param_groups(recurse=False):
             group.force_sum_reduction_for_comms = enable
+            group.clear_divide_plan()
 
     def set_reduce_scatter_unused_params(
         self, reduce_scatter_unused_params: bool, *, recurse: bool = True
@@ -308,6 +310,7 @@ class FSDPModule:
         created: dict[tuple[int, ...], Collectives] = {}  # one per set of ranks
         for group in self._param_groups(recurse):
             info = group.mesh_info
+            group.clear_divide_plan()
             if not enable:
                 group.reduce_scatter_collectives = info.shard_collectives
                 continue

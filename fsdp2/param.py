@@ -535,8 +535,10 @@ class FSDPParam:
             self.unsharded_param.grad = None
         self.unsynced_grad = None
 
-    def zero_unsharded_grad(self) -> torch.Tensor:
-        return torch.zeros(self.unsharded_size, dtype=self.reduce_dtype, device=self.device)
+    def zero_unsharded_grad(self, dtype: torch.dtype) -> torch.Tensor:
+        """Zeros for a parameter unused in this backward, in ``dtype``: that of
+        the group's other gradients, so that packing them needs no cast copy."""
+        return torch.zeros(self.unsharded_size, dtype=dtype, device=self.device)
 
     def keep_unsynced_grad(self) -> None:
         """Gradient accumulation without sync: adds this backward's unsharded

@@ -32,6 +32,7 @@ import torch.nn as nn
 
 from .collectives import (
     AllGatherInFlight,
+    DividePlan,
     ReduceInFlight,
     all_gather,
     all_gather_dtype,
@@ -97,6 +98,8 @@ class FSDPParamGroup:
         self.reduce_scatter_unused_params = False
         self.gradient_divide_factor: float | None = None  # None: the ranks averaged over
         self.force_sum_reduction_for_comms = False
+        # Made at the first reduce-scatter; dropped by what changes it (clear_divide_plan).
+        self._divide_plan: tuple[torch.dtype, DividePlan] | None = None  # (reduce dtype, plan)
         self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
         self.all_reduce_hook_stream: torch.Stream | None = None
         self.custom_all_gather: AllGather | None = None
@@ -257,6 +260,7 @@ class FSDPParamGroup:
         ``FSDPParam.reset_sharded_param``)."""
         for fsdp_param in self.fsdp_params:
             fsdp_param.reset_sharded_param(self.root_ctx.comm.ops)
+        self.clear_divide_plan()  # the reduce dtype may have changed
 
     def _to_sharded(self) -> None:
         for fsdp_param in self.fsdp_params:
@@ -321,9 +325,11 @@ class FSDPParamGroup:
             if self.reshard_after_backward:
                 self.reshard()
             return None
+        grads = [p.take_unsharded_grad(cast=False) for p in self.fsdp_params]
+        # Zeros for the unused ones in the others' dtype: packing casts nothing whole.
+        dtype = next((g.dtype for g in grads if g is not None), None)
         taken = GradsToReduce([], [])
-        for fsdp_param in self.fsdp_params:
-            grad = fsdp_param.take_unsharded_grad(cast=False)
+        for fsdp_param, grad in zip(self.fsdp_params, grads, strict=True):
             if (
                 grad is None
                 and fsdp_param.requires_grad
@@ -336,13 +342,33 @@ class FSDPParamGroup:
                     or (fsdp_param.partial_grad is not None and self.requires_all_reduce)
                 )
             ):
-                grad = fsdp_param.zero_unsharded_grad()
+                grad = fsdp_param.zero_unsharded_grad(dtype or fsdp_param.param_dtype)
             if grad is not None:
                 taken.fsdp_params.append(fsdp_param)
                 taken.grads.append(grad)
         if self.reshard_after_backward:
             self.reshard()
         return taken
+
+    def divide_plan(self, reduce_dtype: torch.dtype) -> DividePlan:
+        """How this group's reductions divide (``collectives.divide_plan``), made
+        once: the setters that change it call ``clear_divide_plan``."""
+        if self._divide_plan is None or self._divide_plan[0] is not reduce_dtype:
+            info = self.mesh_info
+            plan = divide_plan(
+                self.reduce_scatter_collectives.backend,
+                reduce_dtype,
+                info.shard_world_size,
+                info.replicate_world_size,
+                self.gradient_divide_factor,
+                self.force_sum_reduction_for_comms,
+                one_rank_collectives=self.root_ctx.comm.force_collectives,
+            )
+            self._divide_plan = (reduce_dtype, plan)
+        return self._divide_plan[1]
+
+    def clear_divide_plan(self) -> None:
+        self._divide_plan = None
 
     def reduce_scatter(self, taken: GradsToReduce) -> ReduceInFlight:
         """Post-backward's second half: starts the reduce-scatter of ``taken``."""
@@ -353,21 +379,12 @@ class FSDPParamGroup:
             check.before_collective("reduce-scatter", self.position, collectives, numel)
             check.record("reduce-scatter", self.position, in_training=True)
         logger.debug("%s: reduce-scatter issued for %d grads", self.name, len(taken.grads))
-        plan = divide_plan(
-            collectives.backend,
-            taken.fsdp_params[0].reduce_dtype,
-            info.shard_world_size,
-            info.replicate_world_size,
-            self.gradient_divide_factor,
-            self.force_sum_reduction_for_comms,
-            one_rank_collectives=self.root_ctx.comm.force_collectives,
-        )
         return reduce_scatter(
             taken.fsdp_params,
             taken.grads,
             collectives,
             info.shard_world_size,
-            plan,
+            self.divide_plan(taken.fsdp_params[0].reduce_dtype),
             self.root_ctx.comm,
             self.name,
             self.custom_reduce_scatter,
@@ -386,11 +403,10 @@ class FSDPParamGroup:
 
     def cancel_unshard(self) -> None:
         """Drops an all-gather that was started but will not be used (a prefetch
-        whose module did not run): every rank issued it, so it is waited for."""
+        whose module did not run): see ``CommContext.dropped``."""
         if self._all_gather is not None:
-            self._all_gather.in_flight.wait()
-            self.root_ctx.comm.copied_out(self._all_gather.all_gather_output)
-            self._all_gather = None
+            all_gather, self._all_gather = self._all_gather, None
+            self.root_ctx.comm.dropped(all_gather.all_gather_output, all_gather.in_flight)
 
     def reset(self) -> None:
         """After an exception: drop in-flight and partial work, reshard, go idle.

@@ -144,12 +144,14 @@ class ReductionPipeline:
             self._assign(group, reduced)
 
     def _assign(self, group: FSDPParamGroup, reduced: ReduceInFlight) -> None:
-        """Divides a finished reduction as its plan says, runs the group's
-        all-reduce hook on it (``set_all_reduce_hook``) and accumulates the
-        sharded gradients."""
+        """Runs the group's all-reduce hook on a finished reduction
+        (``set_all_reduce_hook``), divides it as its plan says (before or
+        after the hook: ``DividePlan.divides_before_hook``) and accumulates
+        the sharded gradients."""
         comm = self.root_ctx.comm
         with profiled("assign_grads", group.name):
-            average(reduced)
+            if reduced.plan.divides_before_hook:
+                average(reduced)
             if group.all_reduce_hook is not None:
                 hook, stream = group.all_reduce_hook, group.all_reduce_hook_stream
                 event = comm.run_hook(hook, reduced.output, stream)
@@ -161,6 +163,8 @@ class ReductionPipeline:
             self._accumulate(reduced)
 
     def _accumulate(self, reduced: ReduceInFlight) -> None:
+        if not reduced.plan.divides_before_hook:
+            average(reduced)
         comm = self.root_ctx.comm
         copies = assign_sharded_grads(reduced, comm.ops)
         if copies and comm.ops is not None:
@@ -217,9 +221,13 @@ class ReductionPipeline:
         comm.release_copied_out()
 
 
-def _output_slots(reduced: ReduceInFlight) -> list[torch.Tensor]:
-    """Each reduced parameter's rows of the output, shaped like its local shard."""
-    slots = reduced.output.split_with_sizes([p.padded_shard_numel for p in reduced.fsdp_params])
+def _output_slots(
+    reduced: ReduceInFlight, output: torch.Tensor | None = None
+) -> list[torch.Tensor]:
+    """Each reduced parameter's rows of ``output`` (the reduction's own by
+    default), shaped like its local shard."""
+    output = reduced.output if output is None else output
+    slots = output.split_with_sizes([p.padded_shard_numel for p in reduced.fsdp_params])
     return [
         slot[: p.local_numel].view(p.local_shape)
         for p, slot in zip(reduced.fsdp_params, slots, strict=True)
@@ -256,8 +264,14 @@ def average(reduced: ReduceInFlight) -> None:
 def assign_sharded_grads(reduced: ReduceInFlight, ops: DeviceOps | None = None) -> list[HostCopy]:
     """Accumulates a divided reduction into the sharded grads; returns the
     copies still on their way to the host (CPU offload on an accelerator)."""
+    output = reduced.output
+    dtypes = {p.orig_dtype for p in reduced.fsdp_params}
+    if len(dtypes) == 1 and (dtype := dtypes.pop()) != output.dtype:
+        output = output.to(dtype)  # one flat cast to the parameters' dtype, not one each
     copies = []
-    for fsdp_param, local_grad in zip(reduced.fsdp_params, _output_slots(reduced), strict=True):
+    for fsdp_param, local_grad in zip(
+        reduced.fsdp_params, _output_slots(reduced, output), strict=True
+    ):
         if (copy := fsdp_param.accumulate_sharded_grad(local_grad, ops)) is not None:
             copies.append(copy)
     return copies

@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 from dist import fake_world
 from models import build_model, shard_model
 from torch.distributed.device_mesh import init_device_mesh
@@ -218,3 +219,94 @@ def test_engine_reduces_as_planned(
     assert scatters == [scatter_op] * 3, scatters  # one per layer; the root has no parameters
     assert all_reduces == ([all_reduce_op] * 3 if hsdp else []), all_reduces
     assert (divisions > 0) == divides, divisions
+
+
+@pytest.mark.parametrize(
+    ("backend", "expected"),
+    [
+        # torch's order: the hook sees the sums, the post-division follows.
+        ("nccl", ["hook", "divide"]),
+        # gloo's division stands in for an averaging op: the hook sees the mean.
+        ("gloo", ["divide", "hook"]),
+    ],
+)
+def test_all_reduce_hook_sees_what_torchs_would(
+    monkeypatch: pytest.MonkeyPatch, backend: str, expected: list[str]
+) -> None:
+    """With set_force_sum_reduction_for_comms on NCCL the reduction divides
+    after its collectives: the all-reduce hook runs before that division, as
+    torch's fully_shard runs it."""
+    monkeypatch.setattr(fsdp2.primitives, "backend_for", lambda group, device_type: backend)
+    log: list[str] = []
+
+    class Log(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket is torch.ops.aten.div_:
+                log.append("divide")
+            return func(*args, **(kwargs or {}))
+
+    with fake_world(2):
+        model = shard_model(build_model("mlp"))
+        for layer in model.layers:
+            layer.set_custom_reduce_scatter(RecordingReduceScatter())
+            layer.set_force_sum_reduction_for_comms(True)
+            layer.set_all_reduce_hook(lambda output: log.append("hook"))
+        loss = model(torch.randn(4, 17)).sum()
+        with Log():
+            loss.backward()
+    assert log == expected * len(model.layers), log
+
+
+def test_divide_plan_is_made_once_per_group_until_a_setter_changes_it() -> None:
+    """The plan is cached on the group; set_gradient_divide_factor and
+    set_force_sum_reduction_for_comms make the next reduction plan again."""
+    with fake_world(2):
+        model = shard_model(build_model("mlp"))
+        group = model.layers[0]._fsdp_state.param_groups[0]
+        first = group.divide_plan(torch.float32)
+        assert group.divide_plan(torch.float32) is first
+        model.layers[0].set_gradient_divide_factor(4.0)
+        assert group.divide_plan(torch.float32).post_divisor == 4.0
+        model.layers[0].set_force_sum_reduction_for_comms(True)
+        cached = group.divide_plan(torch.float32)
+        assert group.divide_plan(torch.float32) is cached
+        assert group.divide_plan(torch.bfloat16).pre_divisor == 4.0  # another dtype: planned anew
+
+
+def test_unused_params_zeros_need_no_cast_copy() -> None:
+    """With mixed precision and set_reduce_scatter_unused_params, an unused
+    parameter's zeros are made in the dtype of the other gradients (bf16), so
+    the reduce-scatter packs them without a full-size cast of every gradient."""
+    casts: list[tuple[int, ...]] = []
+
+    class Casts(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket in (torch.ops.aten._to_copy, torch.ops.aten.to):
+                casts.append(tuple(args[0].shape))
+            return func(*args, **(kwargs or {}))
+
+    class Unused(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.used, self.unused = nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.used(x)
+
+    mp = fsdp2.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    with fake_world(2):
+        model = fsdp2.fully_shard(Unused(), mp_policy=mp)
+        model.set_reduce_scatter_unused_params(True)
+        pipeline = model._fsdp_state.root_ctx.reductions  # the root's: kept at lazy init
+        post_backward = pipeline.post_backward
+
+        def counted(group):
+            with Casts():
+                post_backward(group)
+
+        pipeline.post_backward = counted  # type: ignore[method-assign]
+        model(torch.randn(4, 8)).sum().backward()
+    unsharded = {(8, 8), (8,)}
+    assert not [shape for shape in casts if shape in unsharded], casts
+    grads = [p.grad for p in model.parameters()]
+    assert all(g is not None and g.dtype == torch.float32 for g in grads)

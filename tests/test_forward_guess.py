@@ -53,3 +53,50 @@ def test_wrong_forward_prefetch_is_dropped_at_the_next_guess() -> None:
             model(torch.randn(2, 8))  # guesses 1 after 0, but 2 runs and guesses 3
     # Layer 2's guess (3) replaced layer 0's wrong one (1): not held to the end.
     assert in_flight == [[1], [3], []], in_flight
+
+
+def test_wrong_guess_is_dropped_off_the_compute_stream() -> None:
+    """On accelerators (the stream model here), dropping a wrong guess does not
+    make the compute stream wait for its all-gather: the copy-in stream, where
+    the buffer's bytes return, waits for it before the buffer goes."""
+    from stream_model import FakeStream, StreamModel
+
+    from fsdp2.param_group import FSDPParamGroup
+
+    waits: list[tuple[str, int]] = []
+    dropped: list[int] = []
+    wait_event, cancel = FakeStream.wait_event, FSDPParamGroup.cancel_unshard
+
+    def logged_wait(stream, event):
+        waits.append((stream.name, id(event)))
+        wait_event(stream, event)
+
+    def logged_cancel(group):
+        if group.all_gather_in_flight:
+            dropped.append(id(group._all_gather.in_flight.event))
+        cancel(group)
+
+    with fake_world(2):
+        model = Branchy()
+        for layer in model.layers:
+            fsdp2.fully_shard(layer)
+        fsdp2.fully_shard(model)
+        streams = StreamModel()
+        streams.plug_into(model)
+        FakeStream.wait_event = logged_wait  # type: ignore[method-assign]
+        FSDPParamGroup.cancel_unshard = logged_cancel  # type: ignore[method-assign]
+        try:
+            with streams, torch.no_grad():
+                model(torch.randn(2, 8))  # learns the order 0, 1, 2, 3
+                model.skip = {1}
+                dropped.clear()
+                model(torch.randn(2, 8))  # guesses 1 after 0: dropped when 2 guesses 3
+                model(torch.randn(2, 8))  # the next copy-in waits for the dropped one
+        finally:
+            FakeStream.wait_event, FSDPParamGroup.cancel_unshard = wait_event, cancel
+    assert dropped, "a wrong guess should have been dropped"
+    on_compute = [event for name, event in waits if name == "current" and event in dropped]
+    on_copy_in = [e for name, e in waits if name == "all_gather_copy_in" and e in dropped]
+    assert not on_compute, "the compute stream waited for a dropped all-gather"
+    assert set(on_copy_in) == set(dropped), (on_copy_in, dropped)
+    assert not streams.violations, streams.violations[:3]
