@@ -271,7 +271,11 @@ class StreamModel(TorchDispatchMode):
             self._forget(buffer)
             buffer = None
         if buffer is None:
+            # First seen here, its allocation unseen (before the model, or a
+            # storage resize): its storage is still watched, so that once it dies
+            # or moves, bytes reused at its address start a history of their own.
             buffer = self.buffers[key] = Buffer(stream)
+            buffer.storage = weakref.ref(tensor.untyped_storage())
         new = Access(stream, tick, start, end, write, op)
         for old in buffer.accesses:
             if (
