@@ -149,11 +149,14 @@ def quantize_rows(
     num_scales = sum(scale_counts)
     if out is None:
         out = torch.empty(
-            num_rows, rows_wire_bytes(slot_numels, block_size), dtype=torch.uint8, device=rows.device
+            num_rows,
+            rows_wire_bytes(slot_numels, block_size),
+            dtype=torch.uint8,
+            device=rows.device,
         )
     scales = torch.empty(num_rows, num_scales, dtype=torch.float32, device=rows.device)
     codes = out[:, 4 * num_scales :].view(torch.int8)
-    for (start, end), (scale_start, scale_end) in _slots(slot_numels, scale_counts):
+    for (start, end), (scale_start, scale_end) in slot_ranges(slot_numels, block_size):
         q, s = quantize_blockwise(rows[:, start:end], block_size)
         codes[:, start:end] = q
         scales[:, scale_start:scale_end] = s
@@ -166,25 +169,34 @@ def dequantize_rows(
 ) -> list[torch.Tensor]:
     """``wire`` (R, ``rows_wire_bytes``) uint8 back to one (R, n_i) tensor of
     ``dtype`` per slot."""
-    scale_counts = [num_blocks(n, block_size) for n in slot_numels]
-    num_scales = sum(scale_counts)
-    # A copy: the scales' bytes in a row need not sit at a multiple of 4.
-    scales = wire[:, : 4 * num_scales].contiguous().view(torch.float32)
-    codes = wire[:, 4 * num_scales :].view(torch.int8)
+    scales, codes = split_wire(wire, slot_numels, block_size)
     return [
         dequantize_blockwise(
             codes[:, start:end], scales[:, scale_start:scale_end], block_size, dtype
         )
-        for (start, end), (scale_start, scale_end) in _slots(slot_numels, scale_counts)
+        for (start, end), (scale_start, scale_end) in slot_ranges(slot_numels, block_size)
     ]
 
 
-def _slots(
-    slot_numels: list[int], scale_counts: list[int]
+def split_wire(
+    wire: torch.Tensor, slot_numels: list[int], block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``wire`` (R, ``rows_wire_bytes``) uint8 seen as its scales (R, S) fp32
+    and its codes (R, sum(slot_numels)) int8."""
+    num_scales = sum(num_blocks(n, block_size) for n in slot_numels)
+    # A copy: the scales' bytes in a row need not sit at a multiple of 4.
+    scales = torch.empty(wire.size(0), num_scales, dtype=torch.float32, device=wire.device)
+    scales.view(torch.uint8).copy_(wire[:, : 4 * num_scales])
+    return scales, wire[:, 4 * num_scales :].view(torch.int8)
+
+
+def slot_ranges(
+    slot_numels: list[int], block_size: int
 ) -> Iterator[tuple[tuple[int, int], tuple[int, int]]]:
-    """Each slot's (start, end) among the codes and among the scales."""
+    """Each slot's (start, end) among a row's codes and among its scales."""
     start = scale_start = 0
-    for n, s in zip(slot_numels, scale_counts, strict=True):
-        yield (start, start + n), (scale_start, scale_start + s)
+    for n in slot_numels:
+        blocks = num_blocks(n, block_size)
+        yield (start, start + n), (scale_start, scale_start + blocks)
         start += n
-        scale_start += s
+        scale_start += blocks

@@ -42,6 +42,8 @@ from .collectives import (
 )
 from .comm import CommContext
 from .common import MeshInfo, ShardedState, TrainingState
+from .compressed import GradientWire, Int8Rows
+from .compression import CompressionPolicy
 from .custom_comm import AllGather, ReduceScatter
 from .param import FSDPParam
 from .post_backward import PostBackwardCount
@@ -78,6 +80,7 @@ class FSDPParamGroup:
         root_ctx: GroupContext,
         reshard_after_forward: bool,
         post_forward_mesh_info: MeshInfo | None,
+        compression: CompressionPolicy | None = None,
     ) -> None:
         self.fsdp_params = fsdp_params
         # All-gathered, vs. kept whole on every rank (min_numel_to_shard).
@@ -90,6 +93,8 @@ class FSDPParamGroup:
         # Set: after forward, keep a shard over this smaller group instead.
         self.post_forward_mesh_info = post_forward_mesh_info if self.sharded_params else None
         self.reshard_after_backward = True
+        # What travels compressed (compression.py); checked by validate.check_compression.
+        self.compression = compression or CompressionPolicy()
         self.requires_gradient_sync = True
         self.requires_all_reduce = True  # HSDP: across replicas
         # Set by FSDPModule methods (module.py), each named after its setter.
@@ -181,7 +186,23 @@ class FSDPParamGroup:
             self.root_ctx.comm,
             self.name,
             self.custom_all_gather,
+            self._int8_rows(slots),
         )
+
+    def _int8_rows(self, slots: list[tuple[int, torch.dtype]]) -> Int8Rows | None:
+        """The layout of an int8 all-gather, if this one quantizes: int8 weights,
+        from the shards (the post-forward shard of an int ``reshard_after_forward``
+        was gathered already and is not quantized twice), over a group that
+        exchanges something. A subclass that all-gathers itself is left as it is."""
+        compression, info = self.compression, self.mesh_info
+        if (
+            compression.weights != "int8"
+            or self.sharded_state is not ShardedState.SHARDED
+            or (info.shard_world_size == 1 and not self.root_ctx.comm.force_collectives)
+        ):
+            return None
+        quantized = [p.extension is None for p in self.sharded_params for _ in p.all_gather_slots]
+        return Int8Rows(tuple(quantized), tuple(slots), compression.block_size)
 
     def _all_gather_slots(self) -> list[tuple[int, torch.dtype]]:
         return [slot for p in self.sharded_params for slot in p.all_gather_slots]
@@ -353,13 +374,17 @@ class FSDPParamGroup:
             check.before_collective("reduce-scatter", self.position, collectives, numel)
             check.record("reduce-scatter", self.position, in_training=True)
         logger.debug("%s: reduce-scatter issued for %d grads", self.name, len(taken.grads))
+        wire = None
+        if (setting := self.compression.gradients) is not None:
+            wire = GradientWire(setting, self.compression.block_size)
         plan = divide_plan(
             collectives.backend,
-            taken.fsdp_params[0].reduce_dtype,
+            # Compressed: summed in fp32 by the receiver, divided after.
+            torch.float32 if wire is not None else taken.fsdp_params[0].reduce_dtype,
             info.shard_world_size,
             info.replicate_world_size,
             self.gradient_divide_factor,
-            self.force_sum_reduction_for_comms,
+            self.force_sum_reduction_for_comms or wire is not None,
             one_rank_collectives=self.root_ctx.comm.force_collectives,
         )
         return reduce_scatter(
@@ -371,6 +396,7 @@ class FSDPParamGroup:
             self.root_ctx.comm,
             self.name,
             self.custom_reduce_scatter,
+            wire,
         )
 
     @property

@@ -88,6 +88,13 @@ class Collectives:
     ) -> Waitable | None:
         return dist.all_reduce(tensor, op=op, group=self.process_group, async_op=async_op)
 
+    def all_to_all(
+        self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False
+    ) -> Waitable | None:
+        """Sends block k of ``input`` (dim 0 split in W) to rank k; block k of
+        ``output`` receives rank k's (compressed gradients, compressed.py)."""
+        return dist.all_to_all_single(output, input, group=self.process_group, async_op=async_op)
+
 
 class GlooCollectives(Collectives):
     """fsdp2's all-gather and summing reduce-scatter on a CPU gloo group (see

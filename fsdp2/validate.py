@@ -9,6 +9,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .common import MeshInfo, SpmdAxes
+from .compression import CompressionPolicy
 from .extension import POST_ALL_GATHER, PRE_ALL_GATHER
 from .mesh import MeshInfos, ShardPlacementResult
 from .policy import MixedPrecisionPolicy, OffloadPolicy
@@ -117,6 +118,24 @@ def check_policies(mp_policy: object, offload_policy: object) -> None:
         raise TypeError(
             "offload_policy must be fsdp2.OffloadPolicy() or fsdp2.CPUOffloadPolicy(), got "
             f"{type(offload_policy).__name__}."
+        )
+
+
+def check_compression(compression: object, mesh_info: MeshInfo) -> None:
+    """``compression`` is a ``CompressionPolicy`` this mesh can use."""
+    if not isinstance(compression, CompressionPolicy):
+        raise TypeError(
+            "compression must be an fsdp2.CompressionPolicy, got "
+            f"{type(compression).__name__}. Pass e.g. "
+            "compression=CompressionPolicy(weights='int8', gradients='bf16')."
+        )
+    if compression.across == "replicate":
+        # Not built yet: a compressed all-reduce across replicas (an all-to-all and
+        # an all-gather of the sums); see docs/usage.md.
+        raise ValueError(
+            "CompressionPolicy(across='replicate') (compressing only the all-reduce across "
+            "HSDP replicas) is not supported yet. Pass across='all' to compress the "
+            "all-gather and the reduce-scatter inside each replica, or no compression."
         )
 
 

@@ -1,0 +1,159 @@
+"""The compressed collectives: what ``CompressionPolicy`` changes in a step.
+
+- int8 weights (``all_gather_row``, ``copy_out_int8``): this rank's shards
+  become one row of bytes (``Int8Rows``: scales, then codes, then the slots
+  left as they are), which the ordinary all-gather moves; the copy-out
+  dequantizes each rank's row into the unsharded parameters, in their dtype.
+- compressed gradients (``exchange``): the rows of the reduce-scatter input
+  are sent, compressed, with one all-to-all (row k to rank k); the receiver
+  decompresses the W rows it got and adds them in fp32, in rank order.
+
+Wire formats: [Note: wire formats] in compression.py.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from .compression import (
+    dequantize_blockwise,
+    dequantize_rows,
+    quantize_rows,
+    rows_wire_bytes,
+    slot_ranges,
+    split_wire,
+)
+from .primitives import Collectives, JoinedWork
+
+
+class Int8Rows(NamedTuple):
+    """The layout of one rank's row of an int8 all-gather: the quantized slots'
+    scales and codes (``rows_wire_bytes``), then the other slots' bytes (an
+    extension's inputs, left as they are)."""
+
+    quantized: tuple[bool, ...]  # per slot, in group order
+    slots: tuple[tuple[int, torch.dtype], ...]  # (elements, dtype) per slot
+    block_size: int
+
+    @property
+    def quantized_numels(self) -> list[int]:
+        return [n for (n, _), q in zip(self.slots, self.quantized, strict=True) if q]
+
+    @property
+    def quantized_bytes(self) -> int:
+        return rows_wire_bytes(self.quantized_numels, self.block_size)
+
+    @property
+    def row_bytes(self) -> int:
+        raw = [n * dtype.itemsize for (n, dtype), q in zip(self.slots, self.quantized, strict=True)]
+        return self.quantized_bytes + sum(
+            b for b, q in zip(raw, self.quantized, strict=True) if not q
+        )
+
+
+@torch.no_grad()
+def all_gather_row(
+    inputs: list[torch.Tensor], layout: Int8Rows, device: torch.device
+) -> torch.Tensor:
+    """This rank's row of bytes (``layout.row_bytes``): its inputs (flat, each at
+    most its slot long) quantized slot by slot, the padding of a slot zero (it
+    shares the slot's last block), then the other slots' bytes."""
+    row = torch.empty(layout.row_bytes, dtype=torch.uint8, device=device)
+    numels = layout.quantized_numels
+    values = torch.zeros(1, sum(numels), dtype=torch.float32, device=device)
+    raw_at = layout.quantized_bytes
+    quantized_inputs = iter(values.split(numels, dim=1))
+    for x, (numel, dtype), quantized in zip(inputs, layout.slots, layout.quantized, strict=True):
+        x = x.to(device, non_blocking=True)
+        if quantized:
+            next(quantized_inputs)[0, : x.numel()].copy_(x)
+        else:
+            nbytes = numel * dtype.itemsize
+            data = x.to(dtype).view(torch.uint8)
+            row.narrow(0, raw_at, data.numel()).copy_(data)
+            raw_at += nbytes
+    quantize_rows(values, numels, layout.block_size, out=row[: layout.quantized_bytes].view(1, -1))
+    return row
+
+
+@torch.no_grad()
+def copy_out_int8(gathered: torch.Tensor, layout: Int8Rows, outputs: list[torch.Tensor]) -> None:
+    """Dequantizes a finished int8 all-gather (``gathered``: W rows of bytes,
+    flat) into ``outputs`` (one per slot, rank-major, see ``copy_out``)."""
+    if not outputs:
+        return
+    world_size = outputs[0].size(0)
+    rows = gathered.view(world_size, layout.row_bytes)
+    # Each slot dequantized straight into its output: no full-size fp32 copy.
+    slots = slot_ranges(layout.quantized_numels, layout.block_size)
+    scales, codes = split_wire(
+        rows[:, : layout.quantized_bytes], layout.quantized_numels, layout.block_size
+    )
+    raw_at = layout.quantized_bytes
+    for out, (numel, dtype), q in zip(outputs, layout.slots, layout.quantized, strict=True):
+        if q:
+            (start, end), (scale_start, scale_end) = next(slots)
+            values = dequantize_blockwise(
+                codes[:, start:end], scales[:, scale_start:scale_end], layout.block_size, out.dtype
+            )
+            out.copy_(values.view(out.shape))
+        else:
+            nbytes = numel * dtype.itemsize
+            src = rows[:, raw_at : raw_at + nbytes]
+            out_bytes = out.view(torch.uint8) if out.dtype is not torch.uint8 else out
+            out_bytes.copy_(src.reshape(out_bytes.shape))
+            raw_at += nbytes
+
+
+class GradientWire(NamedTuple):
+    """How a group's gradient rows travel (``CompressionPolicy.gradients``)."""
+
+    setting: str  # "bf16" or "int8"
+    block_size: int
+
+
+def encode_rows(
+    rows: torch.Tensor, setting: str, slot_numels: list[int], block_size: int
+) -> torch.Tensor:
+    """The reduce-scatter input's rows as sent: bf16, or int8 rows of slots (uint8)."""
+    if setting == "bf16":
+        return rows.to(torch.bfloat16)
+    return quantize_rows(rows, slot_numels, block_size)
+
+
+def decode_row(
+    row: torch.Tensor, setting: str, slot_numels: list[int], block_size: int
+) -> torch.Tensor:
+    """One received row (1, wire) back to fp32 (1, sum(slot_numels))."""
+    if setting == "bf16":
+        return row.float()
+    return torch.cat(dequantize_rows(row, slot_numels, block_size, torch.float32), dim=1)
+
+
+def exchange(
+    output: torch.Tensor,
+    sent: torch.Tensor,
+    wire: GradientWire,
+    slot_numels: list[int],
+    collectives: Collectives,
+    async_op: bool,
+) -> JoinedWork | None:
+    """The compressed reduce-scatter: ``sent`` (W, wire), row k to rank k, by
+    one all-to-all; when waited, the W rows received decoded and added in
+    fp32, in rank order, into ``output`` (1D, ``sum(slot_numels)``)."""
+    setting, block_size = wire
+    received = torch.empty_like(sent)
+    work = collectives.all_to_all(received, sent, async_op)
+
+    def add_rows() -> None:
+        output.copy_(decode_row(received[:1], setting, slot_numels, block_size).view(-1))
+        for k in range(1, received.size(0)):
+            output.add_(decode_row(received[k : k + 1], setting, slot_numels, block_size).view(-1))
+
+    joined = JoinedWork([] if work is None else [work], add_rows)
+    if async_op:
+        return joined
+    joined.wait()
+    return None

@@ -1,0 +1,234 @@
+"""Compressed communication on 2 gloo ranks: the bytes on the wire, and the
+gradients and weights each setting gives against a reference that applies the
+same rounding to an unsharded model (see [Note: wire formats] in
+fsdp2/compression.py and [Note: the error model] in tests/error_model.py).
+
+How the references are built, per setting (W ranks, g_k = rank k's local
+gradient of a plain copy of the model, at the parameters the sharded model
+computed with):
+
+- bf16 gradients: mean_k fp32(bf16(g_k)). fsdp2 sums the same W terms in fp32
+  in rank order; the reference sums them in another order: point 2 of the
+  note, ``rank_mean_bound`` with S = sum_k |bf16(g_k)| (a + b = b + a, so at
+  W = 2 the bound is never used beyond the last bit).
+- int8 gradients: every term is off by at most half a step of its block,
+  absmax / 254, and a block lies inside one rank's slot of one parameter
+  (torch.chunk's rows j): |error| <= sum_k absmax_j(g_k) / (254 W), plus the
+  same summation bound.
+- int8 weights: the unsharded parameter is each rank's shard quantized and
+  dequantized: within absmax / 254 of the shard, per rank's rows; the sharded
+  parameters themselves are untouched.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+from dist import labelled, run_ranks
+from error_model import rank_mean_bound
+from models import (
+    build_model,
+    full_params,
+    global_batch,
+    local_batch,
+    make_optimizer,
+    mean_loss,
+    shard_model,
+)
+from torch.distributed.device_mesh import init_device_mesh
+
+import fsdp2
+from fsdp2 import CompressionPolicy
+
+pytestmark = pytest.mark.distributed
+
+KIND = "mlp"
+WORLD_SIZE = 2
+# fp32 rounding of x / scale and of q * scale, relative to absmax (test_compression.py).
+ROUNDING_SLACK = 4 * torch.finfo(torch.float32).eps
+
+SETTINGS = {
+    "off": CompressionPolicy(),
+    "weights_int8": CompressionPolicy(weights="int8"),
+    "gradients_bf16": CompressionPolicy(gradients="bf16"),
+    "gradients_int8": CompressionPolicy(gradients="int8"),
+}
+
+
+def _local_grads(
+    replica: nn.Module, params: dict[str, torch.Tensor], world_size: int, step: int
+) -> list[dict[str, torch.Tensor]]:
+    """Each rank's local gradients of a plain copy at ``params``."""
+    with torch.no_grad():
+        for name, p in replica.named_parameters():
+            p.copy_(params[name])
+    grads = []
+    for k in range(world_size):
+        replica.zero_grad(set_to_none=True)
+        mean_loss(replica, *local_batch(global_batch(KIND, step), k, world_size)).backward()
+        grads.append({n: p.grad.detach().clone() for n, p in replica.named_parameters()})
+    return grads
+
+
+def _chunk_absmax(grad: torch.Tensor, world_size: int) -> torch.Tensor:
+    """Each element's bound source: the absmax over the rows of torch.chunk's
+    piece it belongs to (a rank's slot, which holds all of its blocks)."""
+    out = torch.empty_like(grad)
+    for rows, dst in zip(grad.chunk(world_size), out.chunk(world_size), strict=True):
+        dst.fill_(rows.abs().max())
+    return out
+
+
+def _unsharded_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Registers hooks that keep what each layer computed with."""
+    seen: dict[str, torch.Tensor] = {}
+
+    def keep(prefix: str):
+        def hook(module, args, output):
+            for name, p in module.named_parameters(recurse=False):
+                seen[f"{prefix}.{name}"] = p.detach().clone()
+
+        return hook
+
+    for i, layer in enumerate(model.layers):
+        layer.register_forward_hook(keep(f"layers.{i}"), prepend=True)  # before resharding
+    return seen
+
+
+def _run(rank: int, world_size: int, setting: str, steps: int) -> dict:
+    mesh = init_device_mesh("cpu", (world_size,))
+    model = shard_model(build_model(KIND), mesh=mesh, compression=SETTINGS[setting])
+    replica = build_model(KIND)
+    optim = make_optimizer(model)
+    computed_with = _unsharded_weights(model)
+    result = {"losses": [], "grads_checked": 0}
+    with fsdp2.comm_stats(model) as stats:
+        for step in range(steps):
+            params = full_params(model)
+            loss = mean_loss(model, *local_batch(global_batch(KIND, step), rank, world_size))
+            loss.backward()
+            result["losses"].append(loss.item())
+            with labelled(f"{setting}, step {step}"):
+                _check_step(model, replica, params, computed_with, setting, world_size, step)
+            result["grads_checked"] += 1
+            optim.step()
+            optim.zero_grad()
+    step_stats = stats.steps[-1]
+    result["all_gather"] = sum(g.all_gather.bytes for g in step_stats.values())
+    result["reduce_scatter"] = sum(g.reduce_scatter.bytes for g in step_stats.values())
+    result["all_reduce"] = sum(g.all_reduce.bytes for g in step_stats.values())
+    result["params"] = full_params(model)
+    return result
+
+
+def _check_step(
+    model: nn.Module,
+    replica: nn.Module,
+    params: dict[str, torch.Tensor],
+    computed_with: dict[str, torch.Tensor],
+    setting: str,
+    world_size: int,
+    step: int,
+) -> None:
+    if setting == "weights_int8":
+        for name, full in params.items():
+            used = computed_with[name]
+            bound = _chunk_absmax(full, world_size) * (1 / 254 + ROUNDING_SLACK)
+            assert ((used - full).abs() <= bound).all(), name
+            assert not torch.equal(used, full) or full.abs().max() == 0, f"{name} not quantized"
+        # The sharded parameters stay full precision: forward left them as they were.
+        for name, now in full_params(model).items():
+            assert torch.equal(now, params[name]), name
+        return
+    if setting == "off":
+        return
+    # The gradients of a plain copy, per rank, at the same parameters.
+    local = _local_grads(replica, params, world_size, step)
+    for name, p in model.named_parameters():
+        got = p.grad.full_tensor()
+        terms = [g[name] for g in local]
+        if setting == "gradients_bf16":
+            rounded = [t.bfloat16().float() for t in terms]
+            expected = sum(rounded) / world_size
+            bound = rank_mean_bound(sum(t.abs() for t in rounded), world_size)
+        else:
+            expected = sum(terms) / world_size
+            half_steps = sum(_chunk_absmax(t, world_size) for t in terms) / (254 * world_size)
+            bound = half_steps * (1 + 254 * ROUNDING_SLACK) + rank_mean_bound(
+                sum(t.abs() for t in terms), world_size
+            )
+        excess = (got - expected).abs() - bound
+        assert (excess <= 0).all(), f"{name}: worst excess {excess.max().item():.3e}"
+
+
+def _bytes_and_training(rank: int, world_size: int) -> None:
+    results = {setting: _run(rank, world_size, setting, steps=2) for setting in SETTINGS}
+    off = results["off"]
+    with labelled("bytes per step against uncompressed fp32"):
+        weights = results["weights_int8"]["all_gather"] / off["all_gather"]
+        bf16 = results["gradients_bf16"]["reduce_scatter"] / off["reduce_scatter"]
+        int8 = results["gradients_int8"]["reduce_scatter"] / off["reduce_scatter"]
+        assert weights <= 0.27, weights
+        assert bf16 <= 0.5, bf16
+        assert int8 <= 0.27, int8
+        # Each setting leaves the other collective as it was.
+        assert results["weights_int8"]["reduce_scatter"] == off["reduce_scatter"]
+        assert results["gradients_bf16"]["all_gather"] == off["all_gather"]
+        assert off["all_reduce"] == 0
+    with labelled("compression off changes nothing"):
+        mesh = init_device_mesh("cpu", (world_size,))
+        plain = shard_model(build_model(KIND), mesh=mesh)
+        optim = make_optimizer(plain)
+        for step in range(2):
+            mean_loss(plain, *local_batch(global_batch(KIND, step), rank, world_size)).backward()
+            optim.step()
+            optim.zero_grad()
+        for name, param in full_params(plain).items():
+            assert torch.equal(param, off["params"][name]), name
+
+
+def test_bytes_and_gradients_per_setting(tmp_path: Path) -> None:
+    run_ranks(_bytes_and_training, WORLD_SIZE, tmp_path)
+
+
+def _composition(rank: int, world_size: int) -> None:
+    """Every setting at once with mixed precision, gradient accumulation without
+    sync, an int reshard_after_forward and unused parameters reduce-scattered:
+    trains, and stays near the uncompressed run."""
+    mesh = init_device_mesh("cpu", (world_size,))
+    mp = fsdp2.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    losses = {}
+    for name, compression in {
+        "off": CompressionPolicy(),
+        "all": CompressionPolicy(weights="int8", gradients="int8", block_size=64),
+    }.items():
+        model = build_model("transformer_untied")
+        for layer in model.layers:
+            fsdp2.fully_shard(
+                layer, mesh=mesh, mp_policy=mp, compression=compression, reshard_after_forward=1
+            )
+        fsdp2.fully_shard(model, mesh=mesh, mp_policy=mp, compression=compression)
+        model.set_reduce_scatter_unused_params(True)
+        optim = make_optimizer(model)
+        losses[name] = []
+        for step in range(3):
+            for micro in range(2):
+                model.set_requires_gradient_sync(micro == 1)
+                batch = local_batch(global_batch("transformer_untied", 2 * step + micro), rank, 2)
+                loss = mean_loss(model, *batch)
+                loss.backward()
+                losses[name].append(loss.item())
+            for p in model.parameters():
+                assert p.grad is not None and p.grad.dtype is torch.float32
+            optim.step()
+            optim.zero_grad()
+    with labelled("compressed training stays near uncompressed"):
+        for off, compressed in zip(losses["off"], losses["all"], strict=True):
+            assert abs(off - compressed) <= 0.02 * abs(off), (losses["off"], losses["all"])
+
+
+def test_composes_with_mixed_precision_accumulation_int_reshard(tmp_path: Path) -> None:
+    run_ranks(_composition, WORLD_SIZE, tmp_path)
