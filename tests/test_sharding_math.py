@@ -80,6 +80,7 @@ class SyncComm:
     device = CPU
     ops = None
     uses_streams = False
+    force_collectives = False
 
     def done_here(self) -> InFlight:
         return InFlight.done()
