@@ -24,6 +24,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import sys
+
 import pytest
 import torch
 import torch.nn as nn
@@ -42,6 +44,9 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import fsdp2
 from fsdp2 import CompressionPolicy
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+import estimate  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 
@@ -174,6 +179,12 @@ def _bytes_and_training(rank: int, world_size: int) -> None:
         assert weights <= 0.27, weights
         assert bf16 <= 0.5, bf16
         assert int8 <= 0.27, int8
+        # scripts/estimate.py's arithmetic is the engine's, to the byte.
+        groups = estimate.group_shapes(build_model(KIND))
+        for setting, policy in SETTINGS.items():
+            predicted = estimate.wire_bytes(groups, world_size, policy.weights, policy.gradients)
+            measured = (results[setting]["all_gather"], results[setting]["reduce_scatter"])
+            assert predicted == measured, (setting, predicted, measured)
         # Each setting leaves the other collective as it was.
         assert results["weights_int8"]["reduce_scatter"] == off["reduce_scatter"]
         assert results["gradients_bf16"]["all_gather"] == off["all_gather"]
