@@ -25,7 +25,16 @@ import torch
 import torch.distributed as dist
 
 from .comm import CommContext, InFlight
-from .compressed import GradientWire, Int8Rows, all_gather_row, copy_out_int8, encode_rows, exchange
+from .compressed import (
+    GradientWire,
+    Int8Rows,
+    all_gather_row,
+    all_reduce_sent_bytes,
+    copy_out_int8,
+    encode_rows,
+    exchange,
+)
+from .compressed import all_reduce as compressed_all_reduce
 from .custom_comm import AllGather, ReduceScatter, allocate
 from .primitives import Collectives, ReduceOp, Waitable
 from .private_api import chunk_cat_, foreach_copy_, profiled
@@ -392,11 +401,24 @@ def all_reduce(
     comm: CommContext,
     group_name: str = "",
     after: tuple[InFlight, ...] = (),
+    wire: GradientWire | None = None,
 ) -> ReduceInFlight:
     """Starts reducing a reduce-scatter's output across replicas (HSDP) with
     its plan's op: a waited one, or on accelerators one still in flight
-    (``after``: its collectives)."""
+    (``after``: its collectives). ``wire``: compressed, summed in fp32
+    (compressed.py; the plan's op is then SUM)."""
     output, op = reduced.output, reduced.plan.all_reduce_op
+    if wire is not None:
+        slots = [p.padded_shard_numel for p in reduced.fsdp_params]
+        num_ranks = collectives.process_group.size()
+        in_flight = comm.issue(
+            "all_reduce",
+            group_name,
+            all_reduce_sent_bytes(slots, wire, num_ranks),
+            lambda async_op: compressed_all_reduce(output, slots, wire, collectives, async_op),
+            after,
+        )
+        return reduced._replace(buffers=(), in_flight=(in_flight,))
     in_flight = comm.issue(
         "all_reduce",
         group_name,

@@ -7,6 +7,10 @@
 - compressed gradients (``exchange``): the rows of the reduce-scatter input
   are sent, compressed, with one all-to-all (row k to rank k); the receiver
   decompresses the W rows it got and adds them in fp32, in rank order.
+- the all-reduce across HSDP replicas (``all_reduce``): the same exchange
+  over R replicas (each parameter's slot cut in R pieces, so a block never
+  mixes parameters), then each replica's fp32 sum compressed again and
+  all-gathered: two roundings, each a bf16 or int8 half step.
 
 Wire formats: [Note: wire formats] in compression.py.
 """
@@ -126,7 +130,7 @@ def encode_rows(
 def decode_row(
     row: torch.Tensor, setting: str, slot_numels: list[int], block_size: int
 ) -> torch.Tensor:
-    """One received row (1, wire) back to fp32 (1, sum(slot_numels))."""
+    """Received rows (R, wire) back to fp32 (R, sum(slot_numels))."""
     if setting == "bf16":
         return row.float()
     return torch.cat(dequantize_rows(row, slot_numels, block_size, torch.float32), dim=1)
@@ -157,3 +161,72 @@ def exchange(
         return joined
     joined.wait()
     return None
+
+
+def all_reduce(
+    output: torch.Tensor,
+    slot_numels: list[int],
+    wire: GradientWire,
+    collectives: Collectives,
+    async_op: bool,
+) -> JoinedWork | None:
+    """Sums ``output`` (1D, slots of ``slot_numels``) over the group, compressed:
+    every slot cut in R pieces (``torch.chunk``'s, zero-padded), piece k of
+    every slot to rank k by one all-to-all and summed there in fp32, then the
+    sums compressed and all-gathered back into ``output``. When waited (on CPU
+    the second collective runs then, blocking)."""
+    setting, block_size = wire
+    num_ranks = collectives.process_group.size()
+    pieces = [-(-n // num_ranks) for n in slot_numels]  # per slot, elements per rank
+    rows = torch.zeros(num_ranks, sum(pieces), dtype=torch.float32, device=output.device)
+    for (start, end), column, piece in zip(
+        _ranges(slot_numels), _starts(pieces), pieces, strict=True
+    ):
+        slot = torch.nn.functional.pad(
+            output[start:end].float(), (0, num_ranks * piece - (end - start))
+        )
+        rows[:, column : column + piece] = slot.view(num_ranks, piece)
+    sent = encode_rows(rows, setting, pieces, block_size)
+    summed = torch.empty(sum(pieces), dtype=torch.float32, device=output.device)
+    first = exchange(summed, sent, wire, pieces, collectives, async_op)
+
+    def gather_sums() -> None:
+        if first is not None:
+            first.wait()
+        mine = encode_rows(summed.view(1, -1), setting, pieces, block_size)
+        gathered = torch.empty((num_ranks, *mine.shape[1:]), dtype=mine.dtype, device=mine.device)
+        collectives.all_gather(gathered.view(-1), mine.view(-1))
+        values = decode_row(gathered, setting, pieces, block_size)  # (R, sum(pieces))
+        for (start, end), column, piece in zip(
+            _ranges(slot_numels), _starts(pieces), pieces, strict=True
+        ):
+            whole = values[:, column : column + piece].reshape(-1)
+            output[start:end].copy_(whole[: end - start])
+
+    joined = JoinedWork([], gather_sums)
+    if async_op:
+        return joined
+    joined.wait()
+    return None
+
+
+def all_reduce_sent_bytes(slot_numels: list[int], wire: GradientWire, num_ranks: int) -> int:
+    """What ``comm_stats`` counts for a compressed all-reduce: its compressed
+    buffer once, as it counts an uncompressed all-reduce's buffer once."""
+    pieces = [-(-n // num_ranks) for n in slot_numels]
+    if wire.setting == "bf16":
+        return num_ranks * sum(pieces) * 2
+    return num_ranks * rows_wire_bytes(pieces, wire.block_size)
+
+
+def _ranges(numels: list[int]) -> list[tuple[int, int]]:
+    starts = _starts(numels)
+    return [(start, start + n) for start, n in zip(starts, numels, strict=True)]
+
+
+def _starts(numels: list[int]) -> list[int]:
+    starts, total = [], 0
+    for n in numels:
+        starts.append(total)
+        total += n
+    return starts

@@ -374,9 +374,7 @@ class FSDPParamGroup:
             check.before_collective("reduce-scatter", self.position, collectives, numel)
             check.record("reduce-scatter", self.position, in_training=True)
         logger.debug("%s: reduce-scatter issued for %d grads", self.name, len(taken.grads))
-        wire = None
-        if (setting := self.compression.gradients) is not None:
-            wire = GradientWire(setting, self.compression.block_size)
+        wire = self.reduce_scatter_wire
         plan = divide_plan(
             collectives.backend,
             # Compressed: summed in fp32 by the receiver, divided after.
@@ -384,7 +382,8 @@ class FSDPParamGroup:
             info.shard_world_size,
             info.replicate_world_size,
             self.gradient_divide_factor,
-            self.force_sum_reduction_for_comms or wire is not None,
+            # A compressed reduction sums: no AVG or PREMUL_SUM on either stage.
+            self.force_sum_reduction_for_comms or self.compression.gradients is not None,
             one_rank_collectives=self.root_ctx.comm.force_collectives,
         )
         return reduce_scatter(
@@ -398,6 +397,22 @@ class FSDPParamGroup:
             self.custom_reduce_scatter,
             wire,
         )
+
+    @property
+    def reduce_scatter_wire(self) -> GradientWire | None:
+        """How the reduce-scatter's rows travel, if compressed (across="all")."""
+        compression = self.compression
+        if compression.gradients is None or compression.across != "all":
+            return None
+        return GradientWire(compression.gradients, compression.block_size)
+
+    @property
+    def all_reduce_wire(self) -> GradientWire | None:
+        """HSDP: how the all-reduce across replicas travels, if compressed."""
+        compression = self.compression
+        if compression.gradients is None or self.mesh_info.replicate_collectives is None:
+            return None
+        return GradientWire(compression.gradients, compression.block_size)
 
     @property
     def needs_post_backward(self) -> bool:

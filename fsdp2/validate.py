@@ -129,13 +129,24 @@ def check_compression(compression: object, mesh_info: MeshInfo) -> None:
             f"{type(compression).__name__}. Pass e.g. "
             "compression=CompressionPolicy(weights='int8', gradients='bf16')."
         )
-    if compression.across == "replicate":
-        # Not built yet: a compressed all-reduce across replicas (an all-to-all and
-        # an all-gather of the sums); see docs/usage.md.
+    if compression.across != "replicate":
+        return
+    if mesh_info.replicate_group is None:
         raise ValueError(
-            "CompressionPolicy(across='replicate') (compressing only the all-reduce across "
-            "HSDP replicas) is not supported yet. Pass across='all' to compress the "
-            "all-gather and the reduce-scatter inside each replica, or no compression."
+            "CompressionPolicy(across='replicate') compresses only the all-reduce across HSDP "
+            "replicas, but this mesh has no replicate axis (a 1D mesh). Pass a 2D mesh "
+            "(replicate, shard), or across='all'."
+        )
+    if compression.weights is not None:
+        raise ValueError(
+            f"CompressionPolicy(weights={compression.weights!r}, across='replicate'): the "
+            "all-gather runs inside one replica, never across replicas, so across='replicate' "
+            "has no weights to compress. Pass weights=None, or across='all'."
+        )
+    if compression.gradients is None:
+        raise ValueError(
+            "CompressionPolicy(across='replicate') without gradients=... compresses nothing. "
+            "Pass gradients='bf16' or 'int8'."
         )
 
 

@@ -243,3 +243,60 @@ def _composition(rank: int, world_size: int) -> None:
 
 def test_composes_with_mixed_precision_accumulation_int_reshard(tmp_path: Path) -> None:
     run_ranks(_composition, WORLD_SIZE, tmp_path)
+
+
+BF16_UNIT_ROUNDOFF = 2.0**-8
+
+
+def _hsdp(rank: int, world_size: int) -> None:
+    """HSDP (2 replicas x 2 shards): compressing everything, or only the
+    all-reduce across replicas. Each bf16 rounding is off by at most u = 2**-8
+    relative: with across="all" each rank's gradient is rounded once (u S, S =
+    sum_k |g_k|), each replica's partial sum once on its way out and the total
+    once on its way back (2 u S at most), so 3 u S / W, plus the fp32
+    summation bound; across="replicate" rounds only the last two."""
+    mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("replicate", "shard"))
+    policies = {
+        "off": CompressionPolicy(),
+        "all bf16": CompressionPolicy(gradients="bf16"),
+        "replicate bf16": CompressionPolicy(gradients="bf16", across="replicate"),
+        "replicate int8": CompressionPolicy(gradients="int8", across="replicate"),
+    }
+    sent = {}
+    for name, policy in policies.items():
+        with labelled(f"HSDP, {name}"):
+            model = shard_model(build_model(KIND), mesh=mesh, compression=policy)
+            replica = build_model(KIND)
+            with fsdp2.comm_stats(model) as stats:
+                params = full_params(model)
+                loss = mean_loss(model, *local_batch(global_batch(KIND, 0), rank, world_size))
+                loss.backward()
+            sent[name] = {
+                kind: sum(g.of(kind).bytes for g in stats.steps[-1].values())
+                for kind in ("reduce_scatter", "all_reduce")
+            }
+            if name == "replicate int8":
+                continue  # bytes only: the bound of two int8 roundings is below
+            terms = _local_grads(replica, params, world_size, 0)
+            for pname, p in model.named_parameters():
+                got = p.grad.full_tensor()
+                local = [g[pname] for g in terms]
+                abs_sum = sum(t.abs() for t in local)
+                expected = sum(local) / world_size
+                roundings = 0 if name == "off" else 3
+                bound = roundings * 1.01 * BF16_UNIT_ROUNDOFF * abs_sum / world_size
+                bound = bound + rank_mean_bound(abs_sum, world_size)
+                excess = (got - expected).abs() - bound
+                assert (excess <= 0).all(), f"{pname}: worst excess {excess.max().item():.3e}"
+    with labelled("HSDP bytes"):  # + 64: each slot padded to R pieces for the all-to-all
+        off, everywhere = sent["off"], sent["all bf16"]
+        assert everywhere["reduce_scatter"] * 2 == off["reduce_scatter"], sent
+        assert everywhere["all_reduce"] * 2 <= off["all_reduce"] + 64, sent
+        replicate = sent["replicate bf16"]
+        assert replicate["reduce_scatter"] == off["reduce_scatter"], sent
+        assert replicate["all_reduce"] * 2 <= off["all_reduce"] + 64, sent
+        assert sent["replicate int8"]["all_reduce"] <= 0.27 * off["all_reduce"] + 64, sent
+
+
+def test_hsdp_compresses_everywhere_or_only_across_replicas(tmp_path: Path) -> None:
+    run_ranks(_hsdp, 4, tmp_path)
