@@ -22,9 +22,8 @@ computed with):
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import sys
+from pathlib import Path
 
 import pytest
 import torch
