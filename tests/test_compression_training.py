@@ -205,11 +205,13 @@ def test_bytes_and_gradients_per_setting(tmp_path: Path) -> None:
 
 
 def _composition(rank: int, world_size: int) -> None:
-    """Every setting at once with mixed precision, gradient accumulation without
-    sync, an int reshard_after_forward and unused parameters reduce-scattered:
-    trains, and stays near the uncompressed run."""
+    """Every setting at once with mixed precision, CPU offload, gradient
+    accumulation without sync, an int reshard_after_forward, unused parameters
+    reduce-scattered and compiled blocks: trains, and stays near the
+    uncompressed run."""
     mesh = init_device_mesh("cpu", (world_size,))
     mp = fsdp2.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    offload = fsdp2.CPUOffloadPolicy(pin_memory=False)
     losses = {}
     for name, compression in {
         "off": CompressionPolicy(),
@@ -217,10 +219,18 @@ def _composition(rank: int, world_size: int) -> None:
     }.items():
         model = build_model("transformer_untied")
         for layer in model.layers:
+            layer.compile(backend="aot_eager")
             fsdp2.fully_shard(
-                layer, mesh=mesh, mp_policy=mp, compression=compression, reshard_after_forward=1
+                layer,
+                mesh=mesh,
+                mp_policy=mp,
+                offload_policy=offload,
+                compression=compression,
+                reshard_after_forward=1,
             )
-        fsdp2.fully_shard(model, mesh=mesh, mp_policy=mp, compression=compression)
+        fsdp2.fully_shard(
+            model, mesh=mesh, mp_policy=mp, offload_policy=offload, compression=compression
+        )
         model.set_reduce_scatter_unused_params(True)
         optim = make_optimizer(model)
         losses[name] = []
@@ -238,9 +248,49 @@ def _composition(rank: int, world_size: int) -> None:
     with labelled("compressed training stays near uncompressed"):
         for off, compressed in zip(losses["off"], losses["all"], strict=True):
             assert abs(off - compressed) <= 0.02 * abs(off), (losses["off"], losses["all"])
+    with labelled("custom reduce-scatter and compressed gradients"):
+        model = shard_model(
+            build_model(KIND), mesh=mesh, compression=CompressionPolicy(gradients="bf16")
+        )
+        with pytest.raises(ValueError, match=r"set_custom_reduce_scatter is not supported.*bf16"):
+            model.layers[0].set_custom_reduce_scatter(_NoReduceScatter())
+    with labelled("a subclass that all-gathers itself is left as it is"):
+        _extension_left_alone(mesh)
 
 
-def test_composes_with_mixed_precision_accumulation_int_reshard(tmp_path: Path) -> None:
+class _NoReduceScatter(fsdp2.ReduceScatter):
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        raise AssertionError("never called")
+
+
+def _extension_left_alone(mesh) -> None:
+    """A frozen int8 row-quantized weight (tests/quantized.py) next to plain
+    parameters in one group: its own bytes travel as they are, the bias is
+    quantized."""
+    from quantized import RowQuantized
+
+    torch.manual_seed(0)
+    layer = nn.Linear(12, 7)
+    layer.weight = nn.Parameter(RowQuantized.quantize(layer.weight), requires_grad=False)
+    original_weight = layer.weight.dequantize().clone()
+    original_bias = layer.bias.detach().clone()
+    seen = {}
+    layer.register_forward_hook(
+        lambda m, args, out: seen.update(w=m.weight.dequantize(), b=m.bias.detach().clone()),
+        prepend=True,
+    )
+    fsdp2.fully_shard(layer, mesh=mesh, compression=CompressionPolicy(weights="int8"))
+    layer(torch.randn(3, 12)).sum().backward()
+    assert torch.equal(seen["w"], original_weight)
+    bound = _chunk_absmax(original_bias, mesh.size()) * (1 / 254 + ROUNDING_SLACK)
+    assert ((seen["b"] - original_bias).abs() <= bound).all()
+    assert not torch.equal(seen["b"], original_bias)
+
+
+def test_composes_with_the_other_features(tmp_path: Path) -> None:
     run_ranks(_composition, WORLD_SIZE, tmp_path)
 
 
