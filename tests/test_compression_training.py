@@ -347,5 +347,48 @@ def _hsdp(rank: int, world_size: int) -> None:
         assert sent["replicate int8"]["all_reduce"] <= 0.27 * off["all_reduce"] + 64, sent
 
 
-def test_hsdp_compresses_everywhere_or_only_across_replicas(tmp_path: Path) -> None:
-    run_ranks(_hsdp, 4, tmp_path)
+def _tensor_parallel(rank: int, world_size: int) -> None:
+    """FSDP over TP on a (dp 2, tp 2) mesh: the TP-local shards are what is
+    quantized and gathered; training stays near the uncompressed run."""
+    from torch.testing._internal.distributed._tensor.common_dtensor import ModelArgs, Transformer
+
+    mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("dp", "tp"))
+    losses = {}
+    for name, policy in {
+        "off": CompressionPolicy(),
+        "int8": CompressionPolicy(weights="int8", gradients="int8"),
+    }.items():
+        torch.manual_seed(0)  # 4 heads of 4: even over tp (models.py's 3 heads are not)
+        args = ModelArgs(n_layers=2, vocab_size=34, max_seq_len=10, dim=16, n_heads=4)
+        model = Transformer(args)
+        Transformer.parallelize(
+            model, mesh["tp"], use_seq_parallel=False, local_output_for_attn=True
+        )
+        for layer in model.layers:
+            fsdp2.fully_shard(layer, mesh=mesh["dp"], compression=policy)
+        fsdp2.fully_shard(model, mesh=mesh["dp"], compression=policy)
+        optim = make_optimizer(model)
+        losses[name] = []
+        dp_rank = mesh["dp"].get_local_rank()
+        for step in range(3):
+            batch = local_batch(global_batch("transformer_untied", step), dp_rank, 2)
+            loss = mean_loss(model, *batch)
+            loss.backward()
+            losses[name].append(loss.item())
+            optim.step()
+            optim.zero_grad()
+    for off, compressed in zip(losses["off"], losses["int8"], strict=True):
+        assert abs(off - compressed) <= 0.02 * abs(off), losses
+    assert losses["off"] != losses["int8"], "compression changed nothing"
+
+
+def _four_ranks(rank: int, world_size: int) -> None:
+    with labelled("HSDP"):
+        _hsdp(rank, world_size)
+    with labelled("FSDP over TP"):
+        _tensor_parallel(rank, world_size)
+
+
+def test_hsdp_and_tensor_parallel(tmp_path: Path) -> None:
+    """HSDP: compressing everywhere, or only across replicas; FSDP over TP."""
+    run_ranks(_four_ranks, 4, tmp_path)
