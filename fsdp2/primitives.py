@@ -25,7 +25,7 @@ gain is measured in docs/performance.md.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
@@ -149,7 +149,9 @@ class JoinedWork:
     waiting thread). Waiting again returns at once: gloo's point-to-point
     works must be waited exactly once (a second wait blocks until timeout)."""
 
-    def __init__(self, works: list[dist.Work], finish: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self, works: Sequence[Waitable], finish: Callable[[], None] | None = None
+    ) -> None:
         self._works = works
         self._finish = finish
         self._done = False
