@@ -7,10 +7,13 @@ import math
 
 import pytest
 import torch
+import torch.nn as nn
+from dist import fake_world
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.distributed.device_mesh import init_device_mesh
 
-from fsdp2 import CompressionPolicy
+from fsdp2 import CompressionPolicy, fully_shard
 from fsdp2.compression import (
     NONFINITE_CODE,
     dequantize_blockwise,
@@ -138,3 +141,33 @@ def test_policy_validation():
         CompressionPolicy(block_size=0)
     with pytest.raises(ValueError, match=r"across=.*got 'shard'"):
         CompressionPolicy(across="shard")
+
+
+def test_fully_shard_checks_the_policy():
+    with fake_world(8):
+        flat = init_device_mesh("cpu", (8,))
+        hsdp = init_device_mesh("cpu", (2, 4), mesh_dim_names=("replicate", "shard"))
+        with pytest.raises(TypeError, match=r"compression must be an fsdp2.CompressionPolicy, got"):
+            fully_shard(nn.Linear(4, 4), mesh=flat, compression={"weights": "int8"})
+        with pytest.raises(ValueError, match=r"across='replicate'.*no replicate axis.*2D mesh"):
+            fully_shard(
+                nn.Linear(4, 4),
+                mesh=flat,
+                compression=CompressionPolicy(gradients="bf16", across="replicate"),
+            )
+        with pytest.raises(ValueError, match=r"weights='int8', across='replicate'.*weights=None"):
+            fully_shard(
+                nn.Linear(4, 4),
+                mesh=hsdp,
+                compression=CompressionPolicy(weights="int8", gradients="bf16", across="replicate"),
+            )
+        with pytest.raises(ValueError, match=r"without gradients=.*compresses nothing"):
+            fully_shard(
+                nn.Linear(4, 4), mesh=hsdp, compression=CompressionPolicy(across="replicate")
+            )
+        layer = fully_shard(
+            nn.Linear(4, 4),
+            mesh=hsdp,
+            compression=CompressionPolicy(gradients="int8", across="replicate"),
+        )
+        assert layer._fsdp_state.param_groups[0].compression.gradients == "int8"
