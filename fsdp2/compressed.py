@@ -51,10 +51,8 @@ class Int8Rows(NamedTuple):
 
     @property
     def row_bytes(self) -> int:
-        raw = [n * dtype.itemsize for (n, dtype), q in zip(self.slots, self.quantized, strict=True)]
-        return self.quantized_bytes + sum(
-            b for b, q in zip(raw, self.quantized, strict=True) if not q
-        )
+        slots = zip(self.slots, self.quantized, strict=True)
+        return self.quantized_bytes + sum(n * dtype.itemsize for (n, dtype), q in slots if not q)
 
 
 @torch.no_grad()
@@ -127,7 +125,7 @@ def encode_rows(
     return quantize_rows(rows, slot_numels, block_size)
 
 
-def decode_row(
+def decode_rows(
     row: torch.Tensor, setting: str, slot_numels: list[int], block_size: int
 ) -> torch.Tensor:
     """Received rows (R, wire) back to fp32 (R, sum(slot_numels))."""
@@ -152,9 +150,9 @@ def exchange(
     work = collectives.all_to_all(received, sent, async_op)
 
     def add_rows() -> None:
-        output.copy_(decode_row(received[:1], setting, slot_numels, block_size).view(-1))
+        output.copy_(decode_rows(received[:1], setting, slot_numels, block_size).view(-1))
         for k in range(1, received.size(0)):
-            output.add_(decode_row(received[k : k + 1], setting, slot_numels, block_size).view(-1))
+            output.add_(decode_rows(received[k : k + 1], setting, slot_numels, block_size).view(-1))
 
     joined = JoinedWork([] if work is None else [work], add_rows)
     if async_op:
@@ -196,7 +194,7 @@ def all_reduce(
         mine = encode_rows(summed.view(1, -1), setting, pieces, block_size)
         gathered = torch.empty((num_ranks, *mine.shape[1:]), dtype=mine.dtype, device=mine.device)
         collectives.all_gather(gathered.view(-1), mine.view(-1))
-        values = decode_row(gathered, setting, pieces, block_size)  # (R, sum(pieces))
+        values = decode_rows(gathered, setting, pieces, block_size)  # (R, sum(pieces))
         for (start, end), column, piece in zip(
             _ranges(slot_numels), _starts(pieces), pieces, strict=True
         ):

@@ -149,9 +149,7 @@ class JoinedWork:
     waiting thread). Waiting again returns at once: gloo's point-to-point
     works must be waited exactly once (a second wait blocks until timeout)."""
 
-    def __init__(
-        self, works: Sequence[Waitable], finish: Callable[[], None] | None = None
-    ) -> None:
+    def __init__(self, works: Sequence[Waitable], finish: Callable[[], None] | None = None) -> None:
         self._works = works
         self._finish = finish
         self._done = False
