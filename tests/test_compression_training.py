@@ -9,8 +9,8 @@ computed with):
 
 - bf16 gradients: mean_k fp32(bf16(g_k)). fsdp2 sums the same W terms in fp32
   in rank order; the reference sums them in another order: point 2 of the
-  note, ``rank_mean_bound`` with S = sum_k |bf16(g_k)| (a + b = b + a, so at
-  W = 2 the bound is never used beyond the last bit).
+  note, ``rank_mean_bound`` with S = sum_k |bf16(g_k)|; at W = 2 the same
+  bits (a + b = b + a, halving is exact: ``EXACT``), asserted so.
 - int8 gradients: every term is off by at most half a step of its block,
   absmax / 254, and a block lies inside one rank's slot of one parameter
   (torch.chunk's rows j): |error| <= sum_k absmax_j(g_k) / (254 W), plus the
@@ -158,6 +158,8 @@ def _check_step(
             rounded = [t.bfloat16().float() for t in terms]
             expected = sum(rounded) / world_size
             bound = rank_mean_bound(sum(t.abs() for t in rounded), world_size)
+            if world_size <= 2:  # a + b = b + a and halving is exact: EXACT
+                bound = torch.zeros_like(bound)
         else:
             expected = sum(terms) / world_size
             half_steps = sum(_chunk_absmax(t, world_size) for t in terms) / (254 * world_size)
