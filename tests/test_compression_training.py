@@ -236,6 +236,7 @@ def _composition(rank: int, world_size: int) -> None:
         model.set_reduce_scatter_unused_params(True)
         optim = make_optimizer(model)
         losses[name] = []
+        weights = _forward_and_backward_weights(model.layers[0])
         for step in range(3):
             for micro in range(2):
                 model.set_requires_gradient_sync(micro == 1)
@@ -243,6 +244,11 @@ def _composition(rank: int, world_size: int) -> None:
                 loss = mean_loss(model, *batch)
                 loss.backward()
                 losses[name].append(loss.item())
+                # Backward computes with the weights forward used: the post-forward
+                # shard (reshard_after_forward=1) was kept as gathered, not
+                # quantized a second time.
+                for key, forward in weights["forward"].items():
+                    assert torch.equal(weights["backward"][key], forward), key
             for p in model.parameters():
                 assert p.grad is not None and p.grad.dtype is torch.float32
             optim.step()
@@ -258,6 +264,23 @@ def _composition(rank: int, world_size: int) -> None:
             model.layers[0].set_custom_reduce_scatter(_NoReduceScatter())
     with labelled("a subclass that all-gathers itself is left as it is"):
         _extension_left_alone(mesh)
+
+
+def _forward_and_backward_weights(block: nn.Module) -> dict[str, dict[str, torch.Tensor]]:
+    """What ``block`` computes with in forward (before it reshards) and in
+    backward (when its output's gradient arrives, after fsdp2 unsharded it)."""
+    seen: dict[str, dict[str, torch.Tensor]] = {"forward": {}, "backward": {}}
+
+    def keep(when: str) -> None:
+        for name, p in block.named_parameters():
+            seen[when][name] = p.detach().clone()
+
+    def hook_output(module, args, output) -> None:
+        output.register_hook(lambda grad: keep("backward"))
+
+    block.register_forward_hook(lambda m, args, out: keep("forward"), prepend=True)
+    block.register_forward_hook(hook_output)  # after fsdp2's: its pre-backward runs first
+    return seen
 
 
 class _NoReduceScatter(fsdp2.ReduceScatter):
