@@ -108,15 +108,18 @@ def quantize_blockwise(x: torch.Tensor, block_size: int) -> tuple[torch.Tensor, 
     n = x.size(-1)
     blocks = num_blocks(n, block_size)
     x = x.float()
-    finite = torch.isfinite(x)
-    x = torch.where(finite, x, 0.0)
-    padded = torch.nn.functional.pad(x, (0, blocks * block_size - n))
-    padded = padded.unflatten(-1, (blocks, block_size))  # (..., blocks, block_size)
-    scales = padded.abs().amax(dim=-1) / 127.0  # (..., blocks); 0 for an all-zero block
+    if blocks * block_size != n:
+        x = torch.nn.functional.pad(x, (0, blocks * block_size - n))  # zeros: absmax unchanged
+    x = x.unflatten(-1, (blocks, block_size))  # (..., blocks, block_size)
+    magnitudes = x.abs()
+    # nan < inf is False: one comparison finds both (isfinite makes four passes).
+    nonfinite = torch.lt(magnitudes, float("inf")).logical_not_()
+    absmax = magnitudes.masked_fill_(nonfinite, 0.0).amax(dim=-1)  # of the finite values
+    scales = absmax / 127.0  # 0 for an all-zero block
+    # A divide, not a multiply by 127 / absmax: that overflows for subnormal blocks.
     divisor = torch.where(scales > 0, scales, 1.0).unsqueeze(-1)
-    codes = torch.round(padded / divisor).clamp_(-127, 127).flatten(-2)[..., :n]
-    codes = torch.where(finite, codes, float(NONFINITE_CODE)).to(torch.int8)
-    return codes, scales
+    codes = torch.div(x, divisor).round_().clamp_(-127, 127).masked_fill_(nonfinite, NONFINITE_CODE)
+    return codes.to(torch.int8).flatten(-2)[..., :n], scales
 
 
 def dequantize_blockwise(
@@ -126,10 +129,11 @@ def dequantize_blockwise(
     was not finite."""
     n = codes.size(-1)
     blocks = scales.size(-1)
-    values = torch.nn.functional.pad(codes.float(), (0, blocks * block_size - n))
-    values = (values.unflatten(-1, (blocks, block_size)) * scales.unsqueeze(-1)).flatten(-2)
-    values = values[..., :n]
-    values = torch.where(codes == NONFINITE_CODE, float("nan"), values)
+    values = codes.float()
+    if blocks * block_size != n:
+        values = torch.nn.functional.pad(values, (0, blocks * block_size - n))
+    values = values.unflatten(-1, (blocks, block_size)).mul_(scales.unsqueeze(-1))
+    values = values.flatten(-2)[..., :n].masked_fill_(codes == NONFINITE_CODE, float("nan"))
     return values.to(dtype)
 
 

@@ -55,6 +55,19 @@ def test_round_trip_within_half_a_step(n, block_size, log_scale, seed):
     assert ((y - x).abs() <= _bound_per_element(x, block_size)).all()
 
 
+@pytest.mark.parametrize("magnitude", [1e-40, 1e-30, 1.0, 1e30, 3e38])
+def test_extreme_magnitudes_within_half_a_step(magnitude):
+    """Subnormal blocks (their scale is subnormal too) up to fp32's largest."""
+    x = torch.linspace(-1, 1, 300) * magnitude
+    codes, scales = quantize_blockwise(x, 256)
+    y = dequantize_blockwise(codes, scales, 256, torch.float32)
+    assert torch.isfinite(y).all()
+    # Subnormal scales have fewer significant bits: one step of the smallest
+    # subnormal (2**-149) per element on top.
+    tiny = torch.finfo(torch.float32).smallest_normal * 2**-23
+    assert ((y - x).abs() <= _bound_per_element(x, 256) + 127 * tiny).all()
+
+
 def test_uneven_last_block_has_its_own_scale():
     x = torch.cat([torch.full((256,), 100.0), torch.tensor([0.5, -0.25, 0.125])])
     codes, scales = quantize_blockwise(x, 256)
