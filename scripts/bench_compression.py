@@ -38,6 +38,7 @@ def main() -> None:
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--out", default=str(REPO / "runs" / "compression"))
     p.add_argument("--only", nargs="*", help="settings to run (default: all)")
+    p.add_argument("--seed", type=int, default=0, help="train.py's --seed: weights and data")
     args = p.parse_args()
     out = Path(args.out)
     rows = {}
@@ -51,7 +52,7 @@ def main() -> None:
             str(REPO / "scripts" / "train.py"),
             *("--nproc", str(args.nproc), "--steps", str(args.steps)),
             *("--run-dir", str(run_dir), "--ckpt-every", "0", "--sample-tokens", "0"),
-            *("--log-every", "100"),
+            *("--log-every", "100", "--seed", str(args.seed)),
             *flags,
         ]
         print(f"== {name}: {' '.join(command[1:])}", flush=True)
