@@ -4,6 +4,7 @@ The public API mirrors ``torch.distributed.fsdp.fully_shard``.
 """
 
 from .clip import clip_grad_norm_
+from .compression import CompressionPolicy
 from .custom_comm import AllGather, Comm, ReduceScatter
 from .fully_shard import fully_shard
 from .mesh import DataParallelMeshDims, ShardPlacementResult
@@ -17,6 +18,7 @@ __all__ = [
     "CPUOffloadPolicy",
     "Comm",
     "CommStats",
+    "CompressionPolicy",
     "DataParallelMeshDims",
     "FSDPModule",
     "GroupSummary",

@@ -25,6 +25,16 @@ import torch
 import torch.distributed as dist
 
 from .comm import CommContext, InFlight
+from .compressed import (
+    GradientWire,
+    Int8Rows,
+    all_gather_row,
+    all_reduce_sent_bytes,
+    copy_out_int8,
+    encode_rows,
+    exchange,
+)
+from .compressed import all_reduce as compressed_all_reduce
 from .custom_comm import AllGather, ReduceScatter, allocate
 from .primitives import Collectives, ReduceOp, Waitable
 from .private_api import chunk_cat_, foreach_copy_, profiled
@@ -112,6 +122,7 @@ def _unless_one(divisor: float) -> float | None:
 class AllGatherInFlight(NamedTuple):
     all_gather_output: torch.Tensor  # 1D, world_size * sum(slot_numels)
     in_flight: InFlight
+    int8: Int8Rows | None = None  # int8 weights: the layout of each rank's row of bytes
 
 
 class ReduceInFlight(NamedTuple):
@@ -167,10 +178,16 @@ def all_gather(
     comm: CommContext,
     group_name: str = "",
     custom: AllGather | None = None,
+    int8: Int8Rows | None = None,
 ) -> AllGatherInFlight:
     """Copies ``inputs`` (flat, each at most its slot's ``(elements, dtype)``
     long) into this rank's block of one flat buffer of ``buffer_dtype``, casting
-    each to its slot's dtype, and starts the all-gather (``custom``'s, if set)."""
+    each to its slot's dtype, and starts the all-gather (``custom``'s, if set).
+    ``int8``: the inputs are first quantized into one row of bytes
+    (compressed.py), which is what this rank's block holds."""
+    if int8 is not None and inputs:
+        inputs = [all_gather_row(inputs, int8, comm.device)]
+        slots, buffer_dtype = [(int8.row_bytes, torch.uint8)], torch.uint8
     if buffer_dtype is torch.uint8:
         inputs = [
             as_buffer_dtype(x.to(dtype), buffer_dtype)
@@ -182,7 +199,7 @@ def all_gather(
     shard_numel = sum(slot_numels)
     all_gather_output = allocate(custom, world_size * shard_numel, buffer_dtype, comm.device)
     if not inputs:  # every parameter of the group is replicated
-        return AllGatherInFlight(all_gather_output, comm.done_here())
+        return AllGatherInFlight(all_gather_output, comm.done_here(), int8)
     all_gather_input = all_gather_output.narrow(0, rank * shard_numel, shard_numel)
     split_sizes = []  # alternating [data, padding]: the padding slots are never read
     for x, slot_numel in zip(inputs, slot_numels, strict=True):
@@ -193,7 +210,7 @@ def all_gather(
     )
     if world_size == 1 and not comm.force_collectives:
         # The input is the whole output: nothing to exchange.
-        return AllGatherInFlight(all_gather_output, comm.done_here())
+        return AllGatherInFlight(all_gather_output, comm.done_here(), int8)
     in_flight = comm.issue(
         "all_gather",
         group_name,
@@ -202,7 +219,7 @@ def all_gather(
             custom, all_gather_output, all_gather_input, collectives, async_op
         ),
     )
-    return AllGatherInFlight(all_gather_output, in_flight)
+    return AllGatherInFlight(all_gather_output, in_flight, int8)
 
 
 @torch.no_grad()
@@ -210,6 +227,9 @@ def copy_out(result: AllGatherInFlight, outputs: list[torch.Tensor]) -> None:
     """Scatters a finished all-gather into ``outputs``, each rank-major
     (``FSDPParam.rank_major``): rank k's slot goes to row k."""
     if not outputs:
+        return
+    if result.int8 is not None:
+        copy_out_int8(result.all_gather_output, result.int8, outputs)
         return
     buffer_dtype = result.all_gather_output.dtype
     outputs = [as_buffer_dtype(out, buffer_dtype) for out in outputs]
@@ -239,6 +259,7 @@ def reduce_scatter(
     comm: CommContext,
     group_name: str = "",
     custom: ReduceScatter | None = None,
+    wire: GradientWire | None = None,
 ) -> ReduceInFlight:
     """Packs the gradients (unsharded-shaped) rank-major and starts the
     reduce-scatter (``custom``'s, if set) with ``plan``'s op, dividing the
@@ -250,6 +271,10 @@ def reduce_scatter(
     bf16 parameters and fp32 reduction: 2 + 4 bytes per element at the peak,
     not 4 + 4). The caller drops its references to ``unsharded_grads``
     afterwards: the packed copies are all the collectives need.
+
+    ``wire`` (compressed gradients): the rows go by one all-to-all, compressed,
+    and are added in fp32 by their receiver (compressed.py); the output is
+    then fp32.
     """
     reduce_dtype = fsdp_params[0].reduce_dtype
     if len({g.dtype for g in unsharded_grads}) > 1:
@@ -266,12 +291,13 @@ def reduce_scatter(
     )
     # A world of one exchanges nothing: the input is the whole output, unless
     # replicated gradients must follow it.
-    exchange = world_size > 1 or comm.force_collectives
-    input_is_output = not exchange and not replicated
+    exchanges = world_size > 1 or comm.force_collectives
+    input_is_output = not exchanges and not replicated
+    output_dtype = torch.float32 if wire is not None else reduce_dtype
     if input_is_output:
         output = reduce_scatter_input.view(-1)
     else:
-        output = allocate(custom, shard_numel + replicated_numel, reduce_dtype, device)
+        output = allocate(custom, shard_numel + replicated_numel, output_dtype, device)
     # Empty gradients have empty slots; the fused copy rejects them. It pads and
     # chunks dim 0: a gradient sharded on another dim goes in as its rank-major view.
     nonempty = [g if p.shard_dim == 0 else p.rank_major(g, world_size) for p, g in sharded]
@@ -282,7 +308,27 @@ def reduce_scatter(
             if plan.pre_divisor is not None:
                 reduce_scatter_input.div_(plan.pre_divisor)
     in_flight = []
-    if sharded and exchange:
+    buffers: tuple[torch.Tensor, ...] = (reduce_scatter_input,)
+    if sharded and exchanges and wire is not None:
+        slot_numels = [p.padded_shard_numel for p, _ in sharded]
+        sent = encode_rows(reduce_scatter_input, wire.setting, slot_numels, wire.block_size)
+        buffers = (reduce_scatter_input, sent)
+        in_flight.append(
+            comm.issue(
+                "reduce_scatter",
+                group_name,
+                sent.numel() * sent.element_size(),
+                lambda async_op: exchange(
+                    output.narrow(0, 0, shard_numel),
+                    sent,
+                    wire,
+                    slot_numels,
+                    collectives,
+                    async_op,
+                ),
+            )
+        )
+    elif sharded and exchanges:
         in_flight.append(
             comm.issue(
                 "reduce_scatter",
@@ -302,10 +348,13 @@ def reduce_scatter(
         output.narrow(0, 0, shard_numel).copy_(reduce_scatter_input.view(-1))
     if replicated:
         tail = output.narrow(0, shard_numel, replicated_numel)
-        torch.cat([g.reshape(-1) for _, g in replicated], out=tail)
+        if tail.dtype == reduce_dtype:
+            torch.cat([g.reshape(-1) for _, g in replicated], out=tail)
+        else:  # compressed gradients: an fp32 output
+            tail.copy_(torch.cat([g.reshape(-1) for _, g in replicated]))
         if plan.pre_divisor is not None:
             tail.div_(plan.pre_divisor)
-        if exchange:
+        if exchanges:
             op = plan.reduce_scatter_op
             in_flight.append(
                 comm.issue(
@@ -317,7 +366,7 @@ def reduce_scatter(
             )
     return ReduceInFlight(
         [p for p, _ in sharded + replicated],
-        (reduce_scatter_input,),
+        buffers,
         output,
         plan,
         tuple(in_flight),
@@ -362,11 +411,24 @@ def all_reduce(
     comm: CommContext,
     group_name: str = "",
     after: tuple[InFlight, ...] = (),
+    wire: GradientWire | None = None,
 ) -> ReduceInFlight:
     """Starts reducing a reduce-scatter's output across replicas (HSDP) with
     its plan's op: a waited one, or on accelerators one still in flight
-    (``after``: its collectives)."""
+    (``after``: its collectives). ``wire``: compressed, summed in fp32
+    (compressed.py; the plan's op is then SUM)."""
     output, op = reduced.output, reduced.plan.all_reduce_op
+    if wire is not None:
+        slots = [p.padded_shard_numel for p in reduced.fsdp_params]
+        num_ranks = collectives.process_group.size()
+        in_flight = comm.issue(
+            "all_reduce",
+            group_name,
+            all_reduce_sent_bytes(slots, wire, num_ranks),
+            lambda async_op: compressed_all_reduce(output, slots, wire, collectives, async_op),
+            after,
+        )
+        return reduced._replace(buffers=(), in_flight=(in_flight,))
     in_flight = comm.issue(
         "all_reduce",
         group_name,

@@ -14,6 +14,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from .checks import mark_ignored
 from .common import MeshInfo, ShardedState, device_from_mesh, post_forward_mesh_info
+from .compression import CompressionPolicy
 from .mesh import DataParallelMeshDims, MeshInfos, ShardPlacementResult, spmd_mesh_info
 from .module import FSDPModule
 from .param import FSDPParam, Registration
@@ -25,6 +26,7 @@ from .state_dict import register_state_dict_hooks
 from .validate import (
     SHARDED_AS,
     check_all_gather_extension,
+    check_compression,
     check_mesh_spans_world,
     check_min_numel_to_shard,
     check_module,
@@ -59,6 +61,7 @@ class FullyShard(Protocol):
         shard_placement_fn: PlacementFn | None = ...,
         dp_mesh_dims: DataParallelMeshDims | None = ...,
         min_numel_to_shard: int = ...,
+        compression: CompressionPolicy = ...,
     ) -> FSDPModule: ...
 
     @overload
@@ -74,6 +77,7 @@ class FullyShard(Protocol):
         shard_placement_fn: PlacementFn | None = ...,
         dp_mesh_dims: DataParallelMeshDims | None = ...,
         min_numel_to_shard: int = ...,
+        compression: CompressionPolicy = ...,
     ) -> list[FSDPModule]: ...
 
     def state(self, module: nn.Module) -> FSDPState | None: ...
@@ -97,6 +101,7 @@ def fully_shard(
     shard_placement_fn: PlacementFn | None = None,
     dp_mesh_dims: DataParallelMeshDims | None = None,
     min_numel_to_shard: int = 0,
+    compression: CompressionPolicy = CompressionPolicy(),  # noqa: B008 (frozen)
 ) -> FSDPModule | list[FSDPModule]:
     """Shards ``module``'s parameters over ``mesh`` and communicates them as one group.
 
@@ -158,6 +163,11 @@ def fully_shard(
             as ``Replicate()`` DTensors, and their gradients all-reduced: for
             norm weights and biases, whose tiny shards cost padding and
             per-parameter copies for no memory saved. (Default: 0, shard all)
+        compression: what travels compressed: int8 weights in the all-gather,
+            bf16 or int8 gradients in the reduce-scatter (an all-to-all summed
+            in fp32); see ``CompressionPolicy`` and docs/usage.md. Sharded
+            parameters, gradients and optimizer state keep their dtype.
+            (Default: nothing compressed)
 
     Parameters that are already DTensors (tensor parallelism, from
     ``parallelize_module`` on ``mesh["tp"]`` of the mesh whose ``mesh["dp"]``
@@ -179,6 +189,7 @@ def fully_shard(
                 f"reshard_after_forward={reshard_after_forward} (an int) is not supported with "
                 "dp_mesh_dims: pass True or False."
             )
+    check_compression(compression, mesh_info)
     resharding = _resolve_reshard_after_forward(reshard_after_forward, mesh_info)[0]
     device = device_from_mesh(mesh)
     ignored = set(ignored_params or ())
@@ -236,6 +247,7 @@ def fully_shard(
                 state.root_ctx,
                 reshard_after_forward=reshard is not False,
                 post_forward_mesh_info=small_group,
+                compression=compression,
             )
             state.param_groups.append(group)
             for member in modules:

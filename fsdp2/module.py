@@ -344,6 +344,14 @@ class FSDPModule:
         custom_comm.py). Not recursive."""
         check_custom_collective(comm, "set_custom_reduce_scatter")
         for group in self._only_group("set_custom_reduce_scatter"):
+            if group.reduce_scatter_wire is not None:
+                raise ValueError(
+                    "set_custom_reduce_scatter is not supported with compressed gradients "
+                    f"(fully_shard(compression=CompressionPolicy(gradients="
+                    f"{group.compression.gradients!r}))): they travel by an all-to-all, not a "
+                    "reduce-scatter. Drop one of the two, or pass across='replicate' (HSDP) "
+                    "to keep the reduce-scatter uncompressed."
+                )
             group.custom_reduce_scatter = comm
 
     def set_post_optim_event(self, event: torch.Event) -> None:

@@ -43,6 +43,8 @@ from .collectives import (
 )
 from .comm import CommContext
 from .common import MeshInfo, ShardedState, TrainingState
+from .compressed import GradientWire, Int8Rows
+from .compression import CompressionPolicy
 from .custom_comm import AllGather, ReduceScatter
 from .param import FSDPParam
 from .post_backward import PostBackwardCount
@@ -79,6 +81,7 @@ class FSDPParamGroup:
         root_ctx: GroupContext,
         reshard_after_forward: bool,
         post_forward_mesh_info: MeshInfo | None,
+        compression: CompressionPolicy | None = None,
     ) -> None:
         self.fsdp_params = fsdp_params
         # All-gathered, vs. kept whole on every rank (min_numel_to_shard).
@@ -91,6 +94,8 @@ class FSDPParamGroup:
         # Set: after forward, keep a shard over this smaller group instead.
         self.post_forward_mesh_info = post_forward_mesh_info if self.sharded_params else None
         self.reshard_after_backward = True
+        # What travels compressed (compression.py); checked by validate.check_compression.
+        self.compression = compression or CompressionPolicy()
         self.requires_gradient_sync = True
         self.requires_all_reduce = True  # HSDP: across replicas
         # Set by FSDPModule methods (module.py), each named after its setter.
@@ -184,7 +189,23 @@ class FSDPParamGroup:
             self.root_ctx.comm,
             self.name,
             self.custom_all_gather,
+            self._int8_rows(slots),
         )
+
+    def _int8_rows(self, slots: list[tuple[int, torch.dtype]]) -> Int8Rows | None:
+        """The layout of an int8 all-gather, if this one quantizes: int8 weights,
+        from the shards (the post-forward shard of an int ``reshard_after_forward``
+        was gathered already and is not quantized twice), over a group that
+        exchanges something. A subclass that all-gathers itself is left as it is."""
+        compression, info = self.compression, self.mesh_info
+        if (
+            compression.weights != "int8"
+            or self.sharded_state is not ShardedState.SHARDED
+            or (info.shard_world_size == 1 and not self.root_ctx.comm.force_collectives)
+        ):
+            return None
+        quantized = [p.extension is None for p in self.sharded_params for _ in p.all_gather_slots]
+        return Int8Rows(tuple(quantized), tuple(slots), compression.block_size)
 
     def _all_gather_slots(self) -> list[tuple[int, torch.dtype]]:
         return [slot for p in self.sharded_params for slot in p.all_gather_slots]
@@ -361,7 +382,8 @@ class FSDPParamGroup:
                 info.shard_world_size,
                 info.replicate_world_size,
                 self.gradient_divide_factor,
-                self.force_sum_reduction_for_comms,
+                # A compressed reduction sums: no AVG or PREMUL_SUM on either stage.
+                self.force_sum_reduction_for_comms or self.compression.gradients is not None,
                 one_rank_collectives=self.root_ctx.comm.force_collectives,
             )
             self._divide_plan = (reduce_dtype, plan)
@@ -379,16 +401,36 @@ class FSDPParamGroup:
             check.before_collective("reduce-scatter", self.position, collectives, numel)
             check.record("reduce-scatter", self.position, in_training=True)
         logger.debug("%s: reduce-scatter issued for %d grads", self.name, len(taken.grads))
+        wire = self.reduce_scatter_wire
+        # Compressed: summed in fp32 by the receiver, divided after.
+        reduce_dtype = torch.float32 if wire is not None else taken.fsdp_params[0].reduce_dtype
         return reduce_scatter(
             taken.fsdp_params,
             taken.grads,
             collectives,
             info.shard_world_size,
-            self.divide_plan(taken.fsdp_params[0].reduce_dtype),
+            self.divide_plan(reduce_dtype),
             self.root_ctx.comm,
             self.name,
             self.custom_reduce_scatter,
+            wire,
         )
+
+    @property
+    def reduce_scatter_wire(self) -> GradientWire | None:
+        """How the reduce-scatter's rows travel, if compressed (across="all")."""
+        compression = self.compression
+        if compression.gradients is None or compression.across != "all":
+            return None
+        return GradientWire(compression.gradients, compression.block_size)
+
+    @property
+    def all_reduce_wire(self) -> GradientWire | None:
+        """HSDP: how the all-reduce across replicas travels, if compressed."""
+        compression = self.compression
+        if compression.gradients is None or self.mesh_info.replicate_collectives is None:
+            return None
+        return GradientWire(compression.gradients, compression.block_size)
 
     @property
     def needs_post_backward(self) -> bool:

@@ -25,7 +25,7 @@ gain is measured in docs/performance.md.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
@@ -88,6 +88,13 @@ class Collectives:
     ) -> Waitable | None:
         return dist.all_reduce(tensor, op=op, group=self.process_group, async_op=async_op)
 
+    def all_to_all(
+        self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False
+    ) -> Waitable | None:
+        """Sends block k of ``input`` (dim 0 split in W) to rank k; block k of
+        ``output`` receives rank k's (compressed gradients, compressed.py)."""
+        return dist.all_to_all_single(output, input, group=self.process_group, async_op=async_op)
+
 
 class GlooCollectives(Collectives):
     """fsdp2's all-gather and summing reduce-scatter on a CPU gloo group (see
@@ -142,7 +149,7 @@ class JoinedWork:
     waiting thread). Waiting again returns at once: gloo's point-to-point
     works must be waited exactly once (a second wait blocks until timeout)."""
 
-    def __init__(self, works: list[dist.Work], finish: Callable[[], None] | None = None) -> None:
+    def __init__(self, works: Sequence[Waitable], finish: Callable[[], None] | None = None) -> None:
         self._works = works
         self._finish = finish
         self._done = False

@@ -108,7 +108,16 @@ class ReductionPipeline:
             self.finish_all_reduces()
             self._check_all_reduce(group, reduced)
             self.all_reduces.append(
-                (group, all_reduce(reduced, replicate, self.root_ctx.comm, group.name))
+                (
+                    group,
+                    all_reduce(
+                        reduced,
+                        replicate,
+                        self.root_ctx.comm,
+                        group.name,
+                        wire=group.all_reduce_wire,
+                    ),
+                )
             )
 
     def _start_all_reduce_early(
@@ -128,7 +137,14 @@ class ReductionPipeline:
         ):
             return reduced
         self._check_all_reduce(group, reduced)
-        early = all_reduce(reduced, replicate, self.root_ctx.comm, group.name, reduced.in_flight)
+        early = all_reduce(
+            reduced,
+            replicate,
+            self.root_ctx.comm,
+            group.name,
+            reduced.in_flight,
+            wire=group.all_reduce_wire,
+        )
         return reduced._replace(all_reduce=early.in_flight[0])
 
     def _check_all_reduce(self, group: FSDPParamGroup, reduced: ReduceInFlight) -> None:

@@ -9,6 +9,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .common import MeshInfo, SpmdAxes
+from .compression import CompressionPolicy
 from .extension import POST_ALL_GATHER, PRE_ALL_GATHER
 from .mesh import MeshInfos, ShardPlacementResult
 from .policy import MixedPrecisionPolicy, OffloadPolicy
@@ -117,6 +118,35 @@ def check_policies(mp_policy: object, offload_policy: object) -> None:
         raise TypeError(
             "offload_policy must be fsdp2.OffloadPolicy() or fsdp2.CPUOffloadPolicy(), got "
             f"{type(offload_policy).__name__}."
+        )
+
+
+def check_compression(compression: object, mesh_info: MeshInfo) -> None:
+    """``compression`` is a ``CompressionPolicy`` this mesh can use."""
+    if not isinstance(compression, CompressionPolicy):
+        raise TypeError(
+            "compression must be an fsdp2.CompressionPolicy, got "
+            f"{type(compression).__name__}. Pass e.g. "
+            "compression=CompressionPolicy(weights='int8', gradients='bf16')."
+        )
+    if compression.across != "replicate":
+        return
+    if mesh_info.replicate_group is None:
+        raise ValueError(
+            "CompressionPolicy(across='replicate') compresses only the all-reduce across HSDP "
+            "replicas, but this mesh has no replicate axis (a 1D mesh). Pass a 2D mesh "
+            "(replicate, shard), or across='all'."
+        )
+    if compression.weights is not None:
+        raise ValueError(
+            f"CompressionPolicy(weights={compression.weights!r}, across='replicate'): the "
+            "all-gather runs inside one replica, never across replicas, so across='replicate' "
+            "has no weights to compress. Pass weights=None, or across='all'."
+        )
+    if compression.gradients is None:
+        raise ValueError(
+            "CompressionPolicy(across='replicate') without gradients=... compresses nothing. "
+            "Pass gradients='bf16' or 'int8'."
         )
 
 

@@ -15,6 +15,8 @@ fully_shard has no such counter).
     python scripts/bench.py --mp bf16 --prefetch explicit
     python scripts/bench.py --torch-collectives  # + fsdp2 on torch's gloo collectives
     python scripts/bench.py --optim muon         # Muon's optimizer step alone (bench_muon.py)
+    python scripts/bench.py --compression weights-int8 grads-bf16 grads-int8 all-int8
+                                               # + fsdp2 with each CompressionPolicy setting
 """
 
 from __future__ import annotations
@@ -48,6 +50,13 @@ CONTENDERS = ("fsdp2", "torch", "ddp", "floor")
 # --torch-collectives: fsdp2's engine with torch's own all-gather and
 # reduce-scatter on gloo instead of its own ([Note: collectives on gloo]).
 TORCH_COLLECTIVES = "fsdp2, torch colls"
+# --compression: fsdp2 with a CompressionPolicy, one contender per setting.
+COMPRESSION_SETTINGS = {
+    "weights-int8": {"weights": "int8"},
+    "grads-bf16": {"gradients": "bf16"},
+    "grads-int8": {"gradients": "int8"},
+    "all-int8": {"weights": "int8", "gradients": "int8"},
+}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -109,6 +118,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "fsdp2.optim.Muon against torch.optim.Muon, sharded and unsharded, on --layers x "
         "Linear(--dim, --dim) (scripts/bench_muon.py)",
     )
+    p.add_argument(
+        "--compression",
+        nargs="*",
+        choices=sorted(COMPRESSION_SETTINGS),
+        default=[],
+        help="also run fsdp2 with these CompressionPolicy settings (contenders 'fsdp2, "
+        "<setting>'; on CPU the cores that compute also quantize)",
+    )
     p.add_argument("--json", help="also write the results to this file")
     args = p.parse_args(argv)
     if args.world_size < 1:
@@ -149,8 +166,12 @@ def build_model(args: argparse.Namespace) -> nn.Module:
     return Transformer(model_args)
 
 
-def shard(model: nn.Module, fully_shard, mesh, args: argparse.Namespace, mp_policy) -> nn.Module:
+def shard(
+    model: nn.Module, fully_shard, mesh, args: argparse.Namespace, mp_policy, compression=None
+) -> nn.Module:
     kwargs = {} if mp_policy is None else {"mp_policy": mp_policy}
+    if compression is not None:
+        kwargs["compression"] = compression
     policy = args.reshard_after_forward
     if policy != "default":
         kwargs["reshard_after_forward"] = policy if isinstance(policy, int) else policy == "true"
@@ -338,6 +359,13 @@ def worker(rank: int, args: argparse.Namespace, store: str, result_path: str) ->
         models[TORCH_COLLECTIVES] = shard(
             build_model(args), fsdp2.fully_shard, mesh, args, policies[0]
         )
+    compressed = {f"fsdp2, {name}": name for name in args.compression}
+    for i, (contender, setting) in enumerate(compressed.items()):
+        contenders.insert(1 + i, contender)
+        policy = fsdp2.CompressionPolicy(**COMPRESSION_SETTINGS[setting])
+        models[contender] = shard(
+            build_model(args), fsdp2.fully_shard, mesh, args, policies[0], policy
+        )
     foreach = True if args.foreach == "true" else None
     optims = {
         k: torch.optim.AdamW(m.parameters(), lr=1e-4, foreach=foreach) for k, m in models.items()
@@ -388,6 +416,15 @@ def worker(rank: int, args: argparse.Namespace, store: str, result_path: str) ->
         "fsdp2": count_bytes(lambda: train_step("fsdp2", 0)),
         "torch": count_bytes(lambda: train_step("torch", 0)),
     }
+    for contender in compressed:
+        # Compressed gradients travel by all-to-all: fsdp2's own count (comm_stats).
+        with fsdp2.comm_stats(models[contender]) as counted:
+            train_step(contender, 0)
+        groups = counted.steps[-1].values()
+        comm_bytes[contender] = {
+            "all_gather_single": sum(g.all_gather.bytes for g in groups),
+            "reduce_scatter_single": sum(g.reduce_scatter.bytes for g in groups),
+        }
 
     times: dict[str, list[float]] = {k: [] for k in contenders}
     losses: dict[str, list[float]] = {k: [] for k in contenders}

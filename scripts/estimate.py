@@ -25,6 +25,18 @@ sizes 2 and 4): communication volume exact, peak memory 4% high.
 
 Communication per step: every group all-gathered in forward, the blocks again
 in backward, every gradient reduce-scattered, padding included.
+
+With ``--link-gbps`` (the bandwidth each rank has to the others, e.g. 25 GB/s
+between nodes) it also prints the per-step communication time of each
+``CompressionPolicy`` setting, and ``--compression-grid`` prints that time for
+llama-7b and llama-70b at 64 to 1024 ranks (no memory estimate):
+
+    python scripts/estimate.py --model llama-7b --world-size 256 --link-gbps 25
+    python scripts/estimate.py --compression-grid --link-gbps 25
+
+The time model is a bandwidth-bound ring (or all-to-all): each rank moves
+``(W - 1) / W`` of every buffer over its link, latency and overlap ignored:
+an upper bound on exposed time, a lower bound on total time.
 """
 
 from __future__ import annotations
@@ -47,6 +59,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from llama import Llama, LlamaConfig  # noqa: E402
 
 import fsdp2  # noqa: E402
+from fsdp2.common import chunk_rows  # noqa: E402
+from fsdp2.compression import rows_wire_bytes  # noqa: E402
 
 PRESETS = {
     "demo": LlamaConfig(),
@@ -162,6 +176,109 @@ def estimate(config: LlamaConfig, world_size: int, batch: int, seq: int) -> Esti
     )
 
 
+# CompressionPolicy settings compared: (weights, gradients).
+COMPRESSION_SETTINGS = {
+    "fp32 (off)": (None, None),
+    "weights int8": ("int8", None),
+    "gradients bf16": (None, "bf16"),
+    "gradients int8": (None, "int8"),
+    "both int8": ("int8", "int8"),
+}
+
+
+def group_shapes(model: nn.Module) -> list[list[torch.Size]]:
+    """The parameter shapes of each group of the demo sharding (one group per
+    block of ``model.layers``, then the root with the rest), in group order."""
+    block_params = {id(p) for block in model.layers for p in block.parameters()}
+    root = [p.shape for p in model.parameters() if id(p) not in block_params]
+    return [root, *([p.shape for p in block.parameters()] for block in model.layers)]
+
+
+def _slot_numels(shapes: list[torch.Size], world_size: int) -> list[int]:
+    """Each parameter's padded slot (``FSDPParam.padded_shard_numel``, dim 0)."""
+    return [chunk_rows(s[0], world_size) * (s.numel() // max(s[0], 1)) for s in shapes]
+
+
+def wire_bytes(
+    groups: list[list[torch.Size]],
+    world_size: int,
+    weights: str | None = None,
+    gradients: str | None = None,
+    block_size: int = 256,
+    itemsize: int = 4,
+) -> tuple[int, int]:
+    """Per step and rank, the bytes ``comm_stats`` counts (whole buffers): the
+    all-gathers (the root once, the other groups in forward and in backward)
+    and the gradient reductions, for fp32 (``itemsize``) parameters."""
+    all_gather = reduce = 0
+    for i, shapes in enumerate(groups):
+        slots = _slot_numels(shapes, world_size)
+        if not sum(slots):
+            continue
+        plain = world_size * sum(slots) * itemsize
+        gathered = world_size * rows_wire_bytes(slots, block_size) if weights == "int8" else plain
+        all_gather += gathered * (1 if i == 0 else 2)
+        if gradients == "bf16":
+            reduce += world_size * sum(slots) * 2
+        elif gradients == "int8":
+            reduce += world_size * rows_wire_bytes(slots, block_size)
+        else:
+            reduce += plain
+    return all_gather, reduce
+
+
+def comm_seconds(nbytes: int, world_size: int, link_bytes_per_s: float) -> float:
+    """A bandwidth-bound collective: each rank moves (W - 1) / W of the buffer."""
+    return nbytes * (world_size - 1) / world_size / link_bytes_per_s
+
+
+def compression_table(
+    config: LlamaConfig, world_sizes: list[int], link_gbps: float
+) -> list[dict[str, object]]:
+    """Per world size and setting: bytes and seconds of communication per step."""
+    groups = group_shapes(build_model(config))
+    rows = []
+    for world_size in world_sizes:
+        for name, (weights, gradients) in COMPRESSION_SETTINGS.items():
+            ag, rs = wire_bytes(groups, world_size, weights, gradients)
+            seconds = comm_seconds(ag + rs, world_size, link_gbps * 1e9)
+            rows.append(
+                {
+                    "world_size": world_size,
+                    "setting": name,
+                    "all_gather_bytes": ag,
+                    "reduce_bytes": rs,
+                    "comm_s": seconds,
+                }
+            )
+    return rows
+
+
+def print_compression_table(rows: list[dict[str, object]], name: str, link_gbps: float) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(
+        title=f"{name}: communication per step and rank at {link_gbps:g} GB/s per link "
+        "(bandwidth-bound, no overlap)"
+    )
+    for column in ("ranks", "setting", "all-gathered", "reduced", "time", "vs fp32"):
+        table.add_column(column, justify="left" if column == "setting" else "right")
+    base: dict[object, float] = {}
+    for row in rows:
+        seconds = float(row["comm_s"])  # type: ignore[arg-type]
+        base.setdefault(row["world_size"], seconds)
+        table.add_row(
+            str(row["world_size"]),
+            str(row["setting"]),
+            f"{int(row['all_gather_bytes']) / 2**30:.2f} GiB",  # type: ignore[call-overload]
+            f"{int(row['reduce_bytes']) / 2**30:.2f} GiB",  # type: ignore[call-overload]
+            f"{seconds:.2f} s",
+            f"{seconds / base[row['world_size']]:.2f}x",
+        )
+    Console().print(table)
+
+
 def print_estimate(e: Estimate, name: str, batch: int, seq: int) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -193,17 +310,45 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batch", type=int, default=1, help="sequences per rank")
     p.add_argument("--seq", type=int, default=None, help="tokens per sequence (default: max)")
     p.add_argument("--json", help="also write the estimate to this file")
+    p.add_argument(
+        "--link-gbps",
+        type=float,
+        help="GB/s per rank between ranks: also print each compression setting's comm time",
+    )
+    p.add_argument(
+        "--compression-grid",
+        action="store_true",
+        help="only the comm time of each compression setting, llama-7b and llama-70b, "
+        "64 to 1024 ranks (needs --link-gbps)",
+    )
     args = p.parse_args(argv)
     if args.world_size < 1:
         p.error("--world-size must be at least 1")
+    if args.link_gbps is not None and args.link_gbps <= 0:
+        p.error("--link-gbps must be positive, e.g. 25 (GB/s between nodes)")
+    if args.compression_grid:
+        if args.link_gbps is None:
+            p.error("--compression-grid needs --link-gbps, e.g. --link-gbps 25")
+        grid = {}
+        for name in ("llama-7b", "llama-70b"):
+            grid[name] = compression_table(PRESETS[name], [64, 128, 256, 512, 1024], args.link_gbps)
+            print_compression_table(grid[name], name, args.link_gbps)
+        if args.json:
+            Path(args.json).write_text(json.dumps(grid, indent=2))
+        return
     config = PRESETS[args.model]
     seq = args.seq or config.max_seq_len
     if seq > config.max_seq_len:
         p.error(f"--seq {seq} is longer than {args.model}'s max_seq_len {config.max_seq_len}")
     result = estimate(config, args.world_size, args.batch, seq)
     print_estimate(result, args.model, args.batch, seq)
+    output: dict[str, object] = asdict(result)
+    if args.link_gbps is not None:
+        rows = compression_table(config, [args.world_size], args.link_gbps)
+        print_compression_table(rows, args.model, args.link_gbps)
+        output["compression"] = rows
     if args.json:
-        Path(args.json).write_text(json.dumps(asdict(result), indent=2))
+        Path(args.json).write_text(json.dumps(output, indent=2))
 
 
 if __name__ == "__main__":

@@ -64,6 +64,7 @@ RUN_KEYS = (
     *SHAPE_KEYS,
     *("data", "global_batch", "grad_accum", "seed", "steps", "lr", "min_lr_ratio", "warmup"),
     *("weight_decay", "max_grad_norm", "bf16", "ckpt_every"),
+    *("compress_weights", "compress_grads", "compress_block_size"),
 )
 
 
@@ -124,6 +125,19 @@ def build_parser() -> argparse.ArgumentParser:
         "sampling runs eagerly",
     )
     train.add_argument("--seed", type=int, default=0, help="model init, data order, sampling")
+    train.add_argument(
+        "--compress-weights",
+        choices=("int8",),
+        help="all-gather the weights as blockwise int8 (fsdp2.CompressionPolicy(weights=...))",
+    )
+    train.add_argument(
+        "--compress-grads",
+        choices=("bf16", "int8"),
+        help="reduce gradients as bf16 or blockwise int8, summed in fp32 (gradients=...)",
+    )
+    train.add_argument(
+        "--compress-block-size", type=int, default=256, help="values per int8 block (one scale)"
+    )
 
     run = p.add_argument_group("run folder")
     run.add_argument("--run-dir", help="default: runs/<timestamp>")
@@ -372,6 +386,15 @@ def peak_memory_bytes(device: torch.device) -> int:
     return rss if sys.platform == "darwin" else rss * 1024  # Linux reports KiB
 
 
+def comm_bytes(steps: list[dict[str, fsdp2.stats.GroupStats]]) -> dict[str, int]:
+    """Bytes of fsdp2's all-gathers, reduce-scatters and all-reduces, summed over groups."""
+    kinds = ("all_gather", "reduce_scatter", "all_reduce")
+    return {
+        kind: sum(group.of(kind).bytes for step in steps for group in step.values())
+        for kind in kinds
+    }
+
+
 def exposed_comm_seconds(steps: list[dict[str, fsdp2.stats.GroupStats]]) -> float:
     """Time the training thread waited for fsdp2 collectives, summed over groups."""
     return sum(
@@ -474,13 +497,18 @@ class Trainer:
             mp_policy = fsdp2.MixedPrecisionPolicy(
                 param_dtype=torch.bfloat16, reduce_dtype=torch.float32
             )
+        compression = fsdp2.CompressionPolicy(
+            weights=self.args.compress_weights,
+            gradients=self.args.compress_grads,
+            block_size=self.args.compress_block_size,
+        )
         for block in model.layers:
             if self.args.compile:
                 # torchtitan's order: each block's forward becomes one graph;
                 # fsdp2's hooks run eagerly around it.
                 block.compile(backend=self.args.compile)
-            fsdp2.fully_shard(block, mesh=mesh, mp_policy=mp_policy)
-        fsdp2.fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+            fsdp2.fully_shard(block, mesh=mesh, mp_policy=mp_policy, compression=compression)
+        fsdp2.fully_shard(model, mesh=mesh, mp_policy=mp_policy, compression=compression)
         model.to_empty(device=self.device)
         init_weights(model, self.args.seed)  # also recomputes the non-persistent rotary tables
         fsdp2.register_fsdp_forward_method(model, "generate")
@@ -629,7 +657,8 @@ class Trainer:
         self.step += 1
         step_time = time.perf_counter() - start
 
-        exposed = exposed_comm_seconds(stats.steps[waits_before:])
+        step_stats = stats.steps[waits_before:]
+        exposed = exposed_comm_seconds(step_stats)
         local = torch.tensor(
             [loss_sum.item(), step_time, exposed, peak_memory_bytes(self.device)],
             dtype=torch.float64,
@@ -649,6 +678,8 @@ class Trainer:
             "step_time_s": slowest,
             "exposed_comm_s": per_rank[:, 2].max().item(),
             "exposed_comm_s_per_rank": per_rank[:, 2].tolist(),
+            # This rank's bytes of the step's collectives (comm_stats' definition).
+            "comm_bytes": comm_bytes(step_stats),
             "memory_bytes_per_rank": [int(m) for m in per_rank[:, 3].tolist()],
         }
 

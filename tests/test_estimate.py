@@ -86,3 +86,22 @@ def test_estimate_matches_measured(world_size: int, tmp_path: Path) -> None:
     assert predicted.reduce_scatter_bytes == measured["reduce_scatter"]
     ratio = predicted.peak_bytes / measured["peak"]
     assert abs(ratio - 1) <= 0.05, f"estimated {predicted.peak_bytes}, measured {measured['peak']}"
+
+
+def test_wire_bytes_uncompressed_is_the_estimate() -> None:
+    """The compression table's fp32 row counts what ``estimate`` counts (the
+    compressed rows are checked against real runs in test_compression_training.py)."""
+    groups = estimate.group_shapes(estimate.build_model(CONFIG))
+    for world_size in (2, 4):
+        predicted = estimate.estimate(CONFIG, world_size, BATCH, SEQ)
+        assert estimate.wire_bytes(groups, world_size) == (
+            predicted.all_gather_bytes,
+            predicted.reduce_scatter_bytes,
+        )
+
+
+def test_compression_grid_prints_each_setting(capsys: pytest.CaptureFixture[str]) -> None:
+    estimate.main(["--compression-grid", "--link-gbps", "25"])
+    out = capsys.readouterr().out
+    for name in ("llama-7b", "llama-70b", "weights int8", "gradients bf16", "both int8", "1024"):
+        assert name in out, name

@@ -52,6 +52,8 @@ SCENARIOS = [
     "HSDP, accumulation without all-reduce",
     "extension",
     "share_comm_ctx",
+    "compression int8",
+    "HSDP, compression bf16",
 ]
 
 # Wider: (name, world size). A model whose middle layer runs twice in one
@@ -143,6 +145,10 @@ def _shard(name: str) -> nn.Module:
         )
     elif name.startswith("HSDP") and "mesh" not in kwargs:
         kwargs["mesh"] = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
+    if name == "compression int8":
+        kwargs["compression"] = fsdp2.CompressionPolicy(weights="int8", gradients="int8")
+    elif name == "HSDP, compression bf16":
+        kwargs["compression"] = fsdp2.CompressionPolicy(gradients="bf16", across="replicate")
     if name == "extension":
         return shard_model(ExtensionModel(trainable=True))
     return shard_model(build_model("mlp"), **kwargs)
@@ -407,6 +413,11 @@ def _scenario(rank: int, world_size: int, name: str) -> None:
         for start, (point, _) in zip(run.step_starts, run.backward_points, strict=True):
             first = next(c for c in streams.collectives[start:] if c[0] == "allreduce_")
             assert not StreamModel.clock_after(first[1], point), (first, point)
+    if "compression" in name:
+        # The compressed gradients went by all-to-all, on a comm stream (checked above).
+        assert any(c[0].startswith("alltoall") for c in streams.collectives), {
+            c[0] for c in streams.collectives
+        }
     if name == "all-reduce hook on a stream":
         # Backward goes on while the hooks run: no compute op waits for them.
         assert run.joined_hooks and not any(run.joined_hooks), run.joined_hooks
