@@ -124,6 +124,9 @@ class ReduceInFlight(NamedTuple):
     # Accelerators, HSDP: the all-reduce across replicas, issued right after the
     # reduce-scatter (ordered after its event), waited for at the end of backward.
     all_reduce: InFlight | None = None
+    # shard_optimizer_over_replicas: ``output`` holds the pieces (replica.py's
+    # slots), reduce-scattered across replicas, not the shard group's chunks.
+    across_replicas: bool = False
 
     def wait(self) -> None:
         for in_flight in self.in_flight:
@@ -163,10 +166,12 @@ def all_gather(
     comm: CommContext,
     group_name: str = "",
     custom: AllGather | None = None,
+    kind: str = "all_gather",
 ) -> AllGatherInFlight:
     """Copies ``inputs`` (flat, each at most its slot's ``(elements, dtype)``
     long) into this rank's block of one flat buffer of ``buffer_dtype``, casting
-    each to its slot's dtype, and starts the all-gather (``custom``'s, if set)."""
+    each to its slot's dtype, and starts the all-gather (``custom``'s, if set;
+    ``kind`` names it for ``comm_stats``)."""
     if buffer_dtype is torch.uint8:
         inputs = [
             as_buffer_dtype(x.to(dtype), buffer_dtype)
@@ -191,7 +196,7 @@ def all_gather(
         # The input is the whole output: nothing to exchange.
         return AllGatherInFlight(all_gather_output, comm.done_here())
     in_flight = comm.issue(
-        "all_gather",
+        kind,
         group_name,
         all_gather_output.numel() * all_gather_output.element_size(),
         lambda async_op: _all_gather(
