@@ -157,7 +157,7 @@ def reduce_scatter_across_replicas(
     )
     chunks = [
         slot[: _replica(p).chunk_shape.numel()].view(_replica(p).chunk_shape)
-        for p, slot in zip(sharded, slots, strict=True)
+        for p, slot in zip(sharded, slots[: len(sharded)], strict=True)
     ]
     # The same on every rank of a replica group (one chunk of the shard group).
     shard_numel = sum(_replica(p).slot_numel for p in sharded)
