@@ -335,7 +335,7 @@ def _bytes_and_clip(rank: int, world_size: int) -> None:
                 expected_replica * 4,
             )
             assert group.all_reduce.count == 0
-        assert "replica all-gathers" in str(stats)
+        assert "replica" in str(stats)  # its columns
         # Evaluation after a step without changes: no gather across replicas.
         with fsdp2.comm_stats(model) as stats, torch.no_grad():
             model(torch.randn(2, 17))
