@@ -304,6 +304,11 @@ def _slots(model: nn.Module, replicas: int, shards: int) -> tuple[int, int]:
     return shards * shard_numel, replicas * replica_numel
 
 
+def _fsdp_param(model: nn.Module, name: str):
+    (group,) = fsdp2.fully_shard.state(model).param_groups
+    return next(p for p in group.fsdp_params if p.fqn == name)
+
+
 def _bytes_and_clip(rank: int, world_size: int) -> None:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     with labelled("comm_stats"):
@@ -336,6 +341,18 @@ def _bytes_and_clip(rank: int, world_size: int) -> None:
             )
             assert group.all_reduce.count == 0
         assert "replica" in str(stats)  # its columns
+        # Bytes a rank holds for the optimizer (parameters and momentum): 1/(R*S)
+        # pieces, against plain HSDP's 1/S chunks; plus the chunks in param_dtype.
+        held = sum(
+            t.to_local().numel() * 4
+            for p in model.parameters()
+            for t in (p, optim.state[p]["momentum_buffer"])
+        )
+        pieces = sum(_nested_rows(p.size(0), 2, 2, rank // 2, rank % 2).__len__() * p[0].numel()
+                     for p in model.parameters())
+        assert held == 2 * pieces * 4, (held, pieces)
+        chunks = sum(_fsdp_param(model, n).replica.all_gather_input.numel() for n, _ in model.named_parameters())
+        assert chunks * 4 == expected_replica * 4, (chunks, expected_replica)
         # Evaluation after a step without changes: no gather across replicas.
         with fsdp2.comm_stats(model) as stats, torch.no_grad():
             model(torch.randn(2, 17))
@@ -357,17 +374,6 @@ def _bytes_and_clip(rank: int, world_size: int) -> None:
         assert abs(norms[0] ** 2 - norms[1] ** 2) <= 2 * gamma(numel) * norms[1] ** 2, norms
         again = fsdp2.clip_grad_norm_(models[0].parameters(), max_norm=1.0)
         assert abs(again - 1e-3) <= 1e-3 * 2 * gamma(numel) + 1e-6 * 1e-3 / norms[0], again
-
-
-@pytest.mark.distributed
-def test_bytes_and_clipping(tmp_path: Path) -> None:
-    """comm_stats of two steps on 2 x 2: inside the shard group the same
-    all-gather and reduce-scatter as plain HSDP; across replicas one
-    all-gather and one reduce-scatter per step, each R * (padded piece
-    elements) * 4 bytes; no all-reduce; no gather across replicas for backward
-    nor for forwards whose parameters did not change. fsdp2.clip_grad_norm_ over
-    the pieces: plain HSDP's total norm up to the order of summing."""
-    run_ranks(_bytes_and_clip, 4, tmp_path)
 
 
 def _full_state(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, dict]:
@@ -410,7 +416,8 @@ def _load(model, optim, path: Path, process_group: dist.ProcessGroup | None = No
     set_optimizer_state_dict(model, optim, state["optim"])
 
 
-def _checkpoints(rank: int, world_size: int, path: Path) -> None:
+def _bytes_clip_and_checkpoints(rank: int, world_size: int, path: Path) -> None:
+    _bytes_and_clip(rank, world_size)
     kind = "transformer_untied"
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     model = shard_model(build_model(kind), mesh=mesh, shard_optimizer_over_replicas=True)
@@ -466,11 +473,18 @@ def _checkpoints(rank: int, world_size: int, path: Path) -> None:
 
 
 @pytest.mark.distributed
-def test_checkpoints(tmp_path: Path) -> None:
-    """Trained 2 steps with the option on 2 x 2 (uneven transformer): full
+def test_bytes_clipping_and_checkpoints(tmp_path: Path) -> None:
+    """comm_stats of two steps on 2 x 2: inside the shard group the same
+    all-gather and reduce-scatter as plain HSDP; across replicas one
+    all-gather and one reduce-scatter per step, each R * (padded piece
+    elements) * 4 bytes; no all-reduce; no gather across replicas for backward
+    nor for forwards whose parameters did not change. fsdp2.clip_grad_norm_ over
+    the pieces: plain HSDP's total norm up to the order of summing.
+
+    Trained 2 steps with the option on 2 x 2 (uneven transformer): full
     state dicts (model and optimizer) equal the full tensors; a DCP checkpoint
     loads bit for bit into plain HSDP, into 1D FSDP at world size 2, and plain
     HSDP's checkpoint back into the option, whose next step then equals plain
     HSDP's; redistribute to (Replicate(), Replicate()) gives full_tensor()."""
     (tmp_path / "ckpt").mkdir()
-    run_ranks(_checkpoints, 4, tmp_path / "ranks", tmp_path / "ckpt")
+    run_ranks(_bytes_clip_and_checkpoints, 4, tmp_path / "ranks", tmp_path / "ckpt")
