@@ -190,6 +190,8 @@ class FSDPParam:
             self._as_dtensor(local), requires_grad=param.requires_grad
         )
         self.sharded_param.__dict__[FSDP_SHARDED] = True
+        if self.replica is not None:
+            self.replica.mark(self.sharded_param)
         self.local_numel = local.numel()
         self.local_shape = local.shape
         self._unsharded_padded: torch.Tensor | None = None
@@ -240,6 +242,8 @@ class FSDPParam:
         if param is not self.sharded_param:
             param = self._adoptable(param)
             param.__dict__[FSDP_SHARDED] = True
+            if self.replica is not None:
+                self.replica.mark(param)
             self.sharded_param = param
             self.requires_grad = param.requires_grad
             self._set_on_modules(param)

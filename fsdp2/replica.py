@@ -16,9 +16,10 @@ Besides its piece a rank keeps its shard group's chunk in ``param_dtype``
 (``ReplicaShard.all_gather_input``), the input of the all-gather inside the
 shard group. It is rebuilt by one all-gather across the replicas, batched
 for a group's parameters, when a piece changed since it was last built: the
-piece's version counter (bumped by every in-place update: an optimizer step,
-``load_state_dict``, ``copy_``) or the piece itself (a new tensor adopted)
-differs. Every replica runs the same program, so all of them see the same
+piece was stepped by an optimizer (a global step post-hook: a ``foreach``
+step on DTensors bumps no version counter), its version counters (the
+DTensor's and its local tensor's: other in-place updates, ``load_state_dict``,
+``copy_``) or the piece itself (a new tensor adopted) differ. Every replica runs the same program, so all of them see the same
 pieces change and issue the same all-gathers. Backward reduce-scatters
 inside the shard group as plain HSDP does, then reduce-scatters the result
 across the replicas (instead of all-reducing it) onto the pieces.
@@ -31,18 +32,41 @@ replica group), padded like [Note: the padded layout] in param.py.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import functools
+from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .collectives import ReduceInFlight, all_gather, all_gather_dtype, copy_out
 from .comm import CommContext
-from .common import MeshInfo, chunk_rows
+from .common import MeshInfo, chunk_rows, eager_hook
 from .primitives import Collectives
 from .private_api import chunk_cat_, local_tensor
 
 if TYPE_CHECKING:
     from .param import FSDPParam
+
+
+# On a sharded parameter split across replicas: its ReplicaShard.
+REPLICA = "_fsdp2_replica"
+
+
+@functools.cache
+def install_step_hook() -> Any:
+    """Registers :func:`pieces_stepped` for every optimizer, once per process."""
+    return register_optimizer_step_post_hook(pieces_stepped)
+
+
+@eager_hook
+def pieces_stepped(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """A global optimizer step post-hook: the pieces an optimizer stepped are
+    changed. Version counters miss it: a ``foreach`` step on DTensors (the
+    default on accelerators) bumps neither the DTensor's nor its local tensor's."""
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if (replica := param.__dict__.get(REPLICA)) is not None:
+                replica.stepped = True
 
 
 class ReplicaShard:
@@ -62,13 +86,14 @@ class ReplicaShard:
         # What it was built from: the sharded parameter, its local tensor and their
         # version counters (an in-place op on the DTensor bumps the DTensor's only).
         self._built_from: tuple[torch.Tensor, torch.Tensor, int, int] | None = None
+        self.stepped = False  # by an optimizer since it was built (pieces_stepped)
 
     def piece_of(self, chunk: torch.Tensor) -> torch.Tensor:
         return chunk.narrow(0, self.start, self.rows)
 
     def stale(self, param: torch.Tensor, dtype: torch.dtype) -> bool:
         """Whether the piece changed (or the dtype) since the chunk was built."""
-        if self.all_gather_input is None or self.all_gather_input.dtype != dtype:
+        if self.stepped or self.all_gather_input is None or self.all_gather_input.dtype != dtype:
             return True
         built = self._built_from
         piece = local_tensor(param)
@@ -82,6 +107,12 @@ class ReplicaShard:
     def built_from(self, param: torch.Tensor) -> None:
         piece = local_tensor(param)
         self._built_from = (param, piece, param._version, piece._version)
+        self.stepped = False
+
+    def mark(self, param: torch.Tensor) -> None:
+        """``param`` is the sharded parameter holding this piece."""
+        param.__dict__[REPLICA] = self
+        install_step_hook()
 
     def chunk(self) -> torch.Tensor:
         """The shard group's chunk, flat, for the all-gather inside the group."""
