@@ -232,15 +232,15 @@ def _output_slots(reduced: ReduceInFlight) -> list[torch.Tensor]:
     across replicas, like its piece after)."""
     params = reduced.fsdp_params
     if reduced.across_replicas:
-        sizes = [p.padded_shard_numel if p.replica is None else p.replica.slot_numel for p in params]
+        sizes = [
+            p.padded_shard_numel if p.replica is None else p.replica.slot_numel for p in params
+        ]
         shapes = [p.local_shape for p in params]
     else:
         sizes = [p.padded_shard_numel for p in params]
         shapes = [p.local_shape if p.replica is None else p.replica.chunk_shape for p in params]
     slots = reduced.output.split_with_sizes(sizes)
-    return [
-        slot[: shape.numel()].view(shape) for slot, shape in zip(slots, shapes, strict=True)
-    ]
+    return [slot[: shape.numel()].view(shape) for slot, shape in zip(slots, shapes, strict=True)]
 
 
 @torch.no_grad()

@@ -134,8 +134,7 @@ def refresh_all_gather_inputs(
     stale = [
         p
         for p in fsdp_params
-        if (replica := p.replica) is not None
-        and replica.stale(p.sharded_param, p.param_dtype)
+        if (replica := p.replica) is not None and replica.stale(p.sharded_param, p.param_dtype)
     ]
     collectives = info.replicate_collectives
     if not stale or collectives is None:
@@ -183,9 +182,7 @@ def reduce_scatter_across_replicas(
     replicas, op = info.replicate_world_size, reduced.plan.all_reduce_op
     sharded = [p for p in reduced.fsdp_params if p.replica is not None]
     replicated = [p for p in reduced.fsdp_params if p.replica is None]
-    slots = reduced.output.split_with_sizes(
-        [p.padded_shard_numel for p in reduced.fsdp_params]
-    )
+    slots = reduced.output.split_with_sizes([p.padded_shard_numel for p in reduced.fsdp_params])
     chunks = [
         slot[: _replica(p).chunk_shape.numel()].view(_replica(p).chunk_shape)
         for p, slot in zip(sharded, slots[: len(sharded)], strict=True)

@@ -114,9 +114,9 @@ def format_table(totals: dict[str, GroupStats], steps: int) -> str:
         table.add_column(name, justify="left" if name == "group" else "right")
     waited = 0.0
     for group, stats in totals.items():
-        kinds = (stats.all_gather, stats.reduce_scatter, stats.all_reduce)
+        kinds = [stats.all_gather, stats.reduce_scatter, stats.all_reduce]
         if replicas:
-            kinds += (stats.replica_all_gather, stats.replica_reduce_scatter)
+            kinds += [stats.replica_all_gather, stats.replica_reduce_scatter]
         wait = sum(k.wait_seconds for k in kinds)
         waited += wait
         counts = [c for k in kinds for c in (f"{k.count:,}", human_bytes(k.bytes))]

@@ -50,8 +50,8 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from torch.testing import assert_close
 
 import fsdp2
-from fsdp2.optim import Muon
 from fsdp2.common import strided_layout_matches
+from fsdp2.optim import Muon
 
 STEPS = 3
 BF16 = fsdp2.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -216,7 +216,9 @@ def _build(case: Case, mesh, over_replicas: bool) -> nn.Module:
 def _optimizer(params: list[nn.Parameter], foreach: bool) -> torch.optim.Optimizer:
     if not foreach:
         return make_optimizer(params)
-    return torch.optim.SGD(params, lr=LR, momentum=MOMENTUM, weight_decay=WEIGHT_DECAY, foreach=True)
+    return torch.optim.SGD(
+        params, lr=LR, momentum=MOMENTUM, weight_decay=WEIGHT_DECAY, foreach=True
+    )
 
 
 def _micro_batches(case: Case, step: int) -> tuple[int, ...]:
@@ -245,7 +247,9 @@ def _train(
 def _check_layout(model: nn.Module, case: Case) -> None:
     for name, param in model.named_parameters():
         whole = param.numel() < case.min_numel_to_shard
-        expected = (Replicate(), Replicate()) if whole else (_StridedShard(0, split_factor=2), Shard(0))
+        expected = (
+            (Replicate(), Replicate()) if whole else (_StridedShard(0, split_factor=2), Shard(0))
+        )
         assert param.placements == expected, f"{name}: {param.placements}"
         assert param.to_local().device.type == "cpu"
 
@@ -357,10 +361,15 @@ def _bytes_and_clip(rank: int, world_size: int) -> None:
             for p in model.parameters()
             for t in (p, optim.state[p]["momentum_buffer"])
         )
-        pieces = sum(_nested_rows(p.size(0), 2, 2, rank // 2, rank % 2).__len__() * p[0].numel()
-                     for p in model.parameters())
+        pieces = sum(
+            _nested_rows(p.size(0), 2, 2, rank // 2, rank % 2).__len__() * p[0].numel()
+            for p in model.parameters()
+        )
         assert held == 2 * pieces * 4, (held, pieces)
-        chunks = sum(_fsdp_param(model, n).replica.all_gather_input.numel() for n, _ in model.named_parameters())
+        chunks = sum(
+            _fsdp_param(model, n).replica.all_gather_input.numel()
+            for n, _ in model.named_parameters()
+        )
         assert chunks * 4 == expected_replica * 4, (chunks, expected_replica)
         # Evaluation after a step without changes: no gather across replicas.
         with fsdp2.comm_stats(model) as stats, torch.no_grad():
