@@ -173,6 +173,7 @@ class Case:
     prefetch: bool = False
     # SGD's foreach kernels: a step on DTensors that bumps no version counter.
     foreach: bool = False
+    compile: bool = False  # each block compiled after fully_shard (aot_eager)
 
     def __str__(self) -> str:
         return ", ".join(f"{k}={v}" for k, v in self.__dict__.items() if v != Case().__dict__[k])
@@ -185,6 +186,7 @@ CASES = (
     Case(kind="transformer_tied", bf16=True, accumulate="plain", reshard=False),
     Case(frozen=True, min_numel_to_shard=40, accumulate="plain"),
     Case(offload=True, prefetch=True),
+    Case(compile=True, accumulate="deferred"),
 )
 
 
@@ -203,6 +205,9 @@ def _build(case: Case, mesh, over_replicas: bool) -> nn.Module:
     if case.offload:
         kwargs["offload_policy"] = fsdp2.CPUOffloadPolicy(pin_memory=False)
     shard_model(model, **kwargs)
+    if case.compile:
+        for block in model.layers:
+            block.compile(backend="aot_eager")
     if case.prefetch:
         blocks = list(model.layers)
         for i, block in enumerate(blocks):
@@ -296,7 +301,8 @@ def test_parity_2x2(tmp_path: Path) -> None:
     reduction across replicas (set_requires_all_reduce(False)) and plain
     accumulation, tied embedding and head, a frozen weight with biases kept
     whole (min_numel_to_shard), SGD with foreach kernels (no version counter moves),
-    CPU offload with explicit forward and backward prefetch."""
+    CPU offload with explicit forward and backward prefetch, blocks compiled
+    after fully_shard (aot_eager; plain HSDP compiled alike)."""
     run_ranks(_parity, 4, tmp_path)
 
 
