@@ -306,6 +306,52 @@ def test_parity_2x2(tmp_path: Path) -> None:
     run_ranks(_parity, 4, tmp_path)
 
 
+# -- 8 ranks: 2 x 4 and 4 x 2 -------------------------------------------------------
+
+# Rows 40, 48 and 7 (weights and biases): nested torch.chunk that DTensor
+# describes on 4 x 2 too (MLP_DIMS' 33 and 65 are refused there).
+DIMS_8 = (17, 40, 48, 7)
+
+
+def _parity_8(rank: int, world_size: int) -> None:
+    for shape in ((2, 4), (4, 2)):
+        with labelled(f"mesh {shape}"):
+            mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
+            torch.manual_seed(0)
+            ref = MLP(DIMS_8)
+            torch.manual_seed(0)
+            model = shard_model(MLP(DIMS_8), mesh=mesh, shard_optimizer_over_replicas=True)
+            optims = make_optimizer(ref), make_optimizer(model)
+            for step in range(2):
+                for i, seed in enumerate((2 * step, 2 * step + 1)):
+                    gen = torch.Generator().manual_seed(seed)
+                    batch = (
+                        torch.randn(8, DIMS_8[0], generator=gen),
+                        torch.randn(8, 7, generator=gen),
+                    )
+                    ref_loss = mean_loss(ref, *batch)
+                    ref_loss.backward()
+                    model.set_requires_all_reduce(i == 1)
+                    loss = mean_loss(model, *local_batch(batch, rank, world_size))
+                    loss.backward()
+                    assert_close(global_mean(loss, world_size), ref_loss.detach(), **REF_TOL)
+                for optim in optims:
+                    optim.step()
+                    optim.zero_grad()
+            for name, param in full_params(model).items():
+                assert_close(
+                    param, ref.get_parameter(name), **REF_TOL, msg=lambda m, n=name: f"{n}: {m}"
+                )
+
+
+@pytest.mark.distributed
+def test_parity_8_ranks(tmp_path: Path) -> None:
+    """2 x 4 and 4 x 2 (uneven: a 7-row dim), two steps of two micro-batches,
+    the first deferring the reduction across replicas: losses and every
+    parameter's full_tensor() equal the unsharded reference's within REF_TOL."""
+    run_ranks(_parity_8, 8, tmp_path)
+
+
 # -- 4 ranks: bytes, clipping, checkpoints -------------------------------------
 
 
@@ -459,6 +505,13 @@ def _bytes_clip_and_checkpoints(rank: int, world_size: int, path: Path) -> None:
         full_optim = get_optimizer_state_dict(model, optim, options=options)
         for name, value in full_optim["state"].items():
             assert torch.equal(value["momentum_buffer"], expected[name]["momentum_buffer"]), name
+        # Full tensors loaded with load_state_dict: each rank keeps its piece. (torch's
+        # set_model_state_dict(full_state_dict=True) goes through distribute_tensor,
+        # which asserts on _StridedShard of uneven dims: see docs/usage.md.)
+        other = shard_model(_perturbed(kind), mesh=mesh, shard_optimizer_over_replicas=True)
+        other.load_state_dict({name: value["param"] for name, value in expected.items()})
+        for name, param in full_params(other).items():
+            assert torch.equal(param, expected[name]["param"]), f"load_state_dict: {name}"
     _save(model, optim, path / "over_replicas")
 
     with labelled("into plain HSDP"):
@@ -506,7 +559,8 @@ def test_bytes_clipping_and_checkpoints(tmp_path: Path) -> None:
     the pieces: plain HSDP's total norm up to the order of summing.
 
     Trained 2 steps with the option on 2 x 2 (uneven transformer): full
-    state dicts (model and optimizer) equal the full tensors; a DCP checkpoint
+    state dicts (model and optimizer) equal the full tensors and load back
+    with load_state_dict; a DCP checkpoint
     loads bit for bit into plain HSDP, into 1D FSDP at world size 2, and plain
     HSDP's checkpoint back into the option, whose next step then equals plain
     HSDP's; redistribute to (Replicate(), Replicate()) gives full_tensor()."""
