@@ -165,7 +165,7 @@ class Case:
     bf16: bool = False
     reshard: bool = True
     # "deferred": set_requires_all_reduce(False) on all micro-batches but the last;
-    # "plain": two micro-batches, each reduced.
+    # "no_sync": set_requires_gradient_sync(False) likewise; "plain": each reduced.
     accumulate: str = ""
     frozen: bool = False  # the first layer's weight does not train
     min_numel_to_shard: int = 0
@@ -185,7 +185,7 @@ CASES = (
     Case(bf16=True, accumulate="deferred", foreach=True),
     Case(kind="transformer_tied", bf16=True, accumulate="plain", reshard=False),
     Case(frozen=True, min_numel_to_shard=40, accumulate="plain"),
-    Case(offload=True, prefetch=True),
+    Case(offload=True, prefetch=True, accumulate="no_sync"),
     Case(compile=True, accumulate="deferred"),
 )
 
@@ -241,6 +241,8 @@ def _train(
         for i, seed in enumerate(micro):
             if case.accumulate == "deferred":
                 model.set_requires_all_reduce(i == len(micro) - 1)
+            elif case.accumulate == "no_sync":
+                model.set_requires_gradient_sync(i == len(micro) - 1)
             loss = mean_loss(model, *local_batch(global_batch(case.kind, seed), rank, world_size))
             loss.backward()
             losses.append(global_mean(loss, world_size))
@@ -298,11 +300,12 @@ def test_parity_2x2(tmp_path: Path) -> None:
     HSDP's bit for bit, and (fp32, no accumulation) the unsharded reference's
     within REF_TOL; the losses too. Cases: fp32 and bf16 compute,
     reshard_after_forward True and False, accumulation deferring the
-    reduction across replicas (set_requires_all_reduce(False)) and plain
-    accumulation, tied embedding and head, a frozen weight with biases kept
-    whole (min_numel_to_shard), SGD with foreach kernels (no version counter moves),
-    CPU offload with explicit forward and backward prefetch, blocks compiled
-    after fully_shard (aot_eager; plain HSDP compiled alike)."""
+    reduction across replicas (set_requires_all_reduce(False)), without
+    gradient sync (set_requires_gradient_sync(False)) and plain, tied
+    embedding and head, a frozen weight with biases kept whole
+    (min_numel_to_shard), SGD with foreach kernels (no version counter
+    moves), CPU offload with explicit forward and backward prefetch, blocks
+    compiled after fully_shard (aot_eager; plain HSDP compiled alike)."""
     run_ranks(_parity, 4, tmp_path)
 
 
