@@ -9,7 +9,8 @@ group's chunk, 1/(R*S) of the parameter. DTensor calls that layout
 ``(_StridedShard(0, split_factor=S), Shard(0))``: "chunk over S first, then
 each chunk over R", as FSDP over tensor parallelism does. For uneven dims
 torch's ``_StridedShard`` places rows like nested ``torch.chunk`` only for
-some sizes (always for R = 2; not e.g. 9 rows on R=4 x S=2):
+some sizes (for R = 2 every size checked, up to 3000 rows and S = 32; not
+e.g. 7 rows on R=3 x S=2 or 9 rows on R=4 x S=2):
 ``strided_layout_matches`` tells, and ``fully_shard`` refuses the others.
 
 Besides its piece a rank keeps its shard group's chunk in ``param_dtype``
@@ -144,20 +145,6 @@ def refresh_all_gather_inputs(
         return  # not materialized yet: rebuilt once it is
     slots = [(_replica(p).slot_numel, p.param_dtype) for p in stale]
     device = comm.device
-    inputs = [piece.to(device, non_blocking=comm.uses_streams).view(-1) for piece in pieces]
-    gathered = all_gather(
-        inputs,
-        slots,
-        all_gather_dtype([dtype for _, dtype in slots]),
-        collectives,
-        _replica_rank(info),
-        info.replicate_world_size,
-        comm,
-        group_name,
-        kind="replica_all_gather",
-    )
-    if sum(numel for numel, _ in slots) > 0:
-        gathered.in_flight.wait()
     outputs = []
     for p in stale:
         replica = _replica(p)
@@ -167,7 +154,22 @@ def refresh_all_gather_inputs(
             )
         outputs.append(replica.all_gather_input.view(info.replicate_world_size, -1))
         replica.built_from(p.sharded_param)
-    copy_out(gathered, outputs)
+    # Every chunk of this shard group empty (the same on its whole replica group).
+    if sum(numel for numel, _ in slots) > 0:
+        inputs = [piece.to(device, non_blocking=comm.uses_streams).view(-1) for piece in pieces]
+        gathered = all_gather(
+            inputs,
+            slots,
+            all_gather_dtype([dtype for _, dtype in slots]),
+            collectives,
+            _replica_rank(info),
+            info.replicate_world_size,
+            comm,
+            group_name,
+            kind="replica_all_gather",
+        )
+        gathered.in_flight.wait()
+        copy_out(gathered, outputs)
 
 
 @torch.no_grad()
