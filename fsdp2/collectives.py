@@ -202,6 +202,7 @@ def all_gather(
         lambda async_op: _all_gather(
             custom, all_gather_output, all_gather_input, collectives, async_op
         ),
+        stream="all_gather",  # whatever kind (the all-gather across replicas too)
     )
     return AllGatherInFlight(all_gather_output, in_flight)
 

@@ -207,6 +207,7 @@ def reduce_scatter_across_replicas(
                 lambda async_op: collectives.reduce_scatter(
                     output.narrow(0, 0, shard_numel), reduce_scatter_input.view(-1), op, async_op
                 ),
+                stream="all_reduce",  # where plain HSDP's all-reduce across replicas runs
             )
         )
     if tail is not None:
