@@ -173,7 +173,7 @@ class Case:
     prefetch: bool = False
     # SGD's foreach kernels: a step on DTensors that bumps no version counter.
     foreach: bool = False
-    compile: bool = False  # each block compiled after fully_shard (aot_eager)
+    compile: bool = False  # each block compiled after fully_shard (dynamo, eager backend)
 
     def __str__(self) -> str:
         return ", ".join(f"{k}={v}" for k, v in self.__dict__.items() if v != Case().__dict__[k])
@@ -207,7 +207,7 @@ def _build(case: Case, mesh, over_replicas: bool) -> nn.Module:
     shard_model(model, **kwargs)
     if case.compile:
         for block in model.layers:
-            block.compile(backend="aot_eager")
+            block.compile(backend="eager")
     if case.prefetch:
         blocks = list(model.layers)
         for i, block in enumerate(blocks):
@@ -305,7 +305,8 @@ def test_parity_2x2(tmp_path: Path) -> None:
     embedding and head, a frozen weight with biases kept whole
     (min_numel_to_shard), SGD with foreach kernels (no version counter
     moves), CPU offload with explicit forward and backward prefetch, blocks
-    compiled after fully_shard (aot_eager; plain HSDP compiled alike)."""
+    compiled after fully_shard (dynamo with the eager backend; plain HSDP
+    compiled alike)."""
     run_ranks(_parity, 4, tmp_path)
 
 
