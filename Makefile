@@ -27,13 +27,16 @@ demo: setup
 # fsdp2 vs torch's fully_shard vs DDP vs the no-communication floor (2 gloo ranks,
 # about a minute), then the hooks' CPU overhead (1 rank, 64 tiny groups), then Muon's
 # optimizer step: fsdp2.optim.Muon vs torch.optim.Muon sharded and unsharded (seconds),
-# then fsdp2 with each CompressionPolicy setting next to the others (about two minutes).
-# Training quality of compression (300 steps per setting, ~15 min): scripts/bench_compression.py.
+# then fsdp2 with each CompressionPolicy setting next to the others (about two minutes),
+# then per-rank memory and bytes of FSDP, HSDP and HSDP with shard_optimizer_over_replicas
+# (4 ranks). Training quality of compression (300 steps per setting, ~15 min):
+# scripts/bench_compression.py.
 bench: setup
 	$(PY) scripts/bench.py
 	$(PY) scripts/bench_overhead.py
 	$(PY) scripts/bench.py --optim muon
 	$(PY) scripts/bench.py --compression weights-int8 grads-bf16 grads-int8 all-int8
+	$(PY) scripts/bench_replicas.py
 
 # On a CUDA machine: parity, overlap, memory and step time against torch's
 # fully_shard (a few minutes, one table); without CUDA it says so and exits 0.

@@ -164,8 +164,8 @@ def check_replicas(groups: list[FSDPParamGroup]) -> None:
     for group in groups:
         info = group.mesh_info
         for p in group.fsdp_params:
-            if info.replicate_group is None and not p.replicated:
-                continue  # a shard of its own: nothing to agree with
+            if (info.replicate_group is None or p.replica is not None) and not p.replicated:
+                continue  # a shard (or a piece across replicas) of its own: nothing to agree with
             local = local_tensor(p.sharded_param)
             if type(local) is not torch.Tensor:
                 continue  # a subclass (float8, NF4) may not sum: not checked

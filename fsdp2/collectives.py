@@ -139,6 +139,9 @@ class ReduceInFlight(NamedTuple):
     # Accelerators, HSDP: the all-reduce across replicas, issued right after the
     # reduce-scatter (ordered after its event), waited for at the end of backward.
     all_reduce: InFlight | None = None
+    # shard_optimizer_over_replicas: ``output`` holds the pieces (replica.py's
+    # slots), reduce-scattered across replicas, not the shard group's chunks.
+    across_replicas: bool = False
 
     def wait(self) -> None:
         for in_flight in self.in_flight:
@@ -179,12 +182,14 @@ def all_gather(
     group_name: str = "",
     custom: AllGather | None = None,
     int8: Int8Rows | None = None,
+    kind: str = "all_gather",
 ) -> AllGatherInFlight:
     """Copies ``inputs`` (flat, each at most its slot's ``(elements, dtype)``
     long) into this rank's block of one flat buffer of ``buffer_dtype``, casting
-    each to its slot's dtype, and starts the all-gather (``custom``'s, if set).
-    ``int8``: the inputs are first quantized into one row of bytes
-    (compressed.py), which is what this rank's block holds."""
+    each to its slot's dtype, and starts the all-gather (``custom``'s, if set;
+    ``kind`` names it for ``comm_stats``). ``int8``: the inputs are first
+    quantized into one row of bytes (compressed.py), which is what this rank's
+    block holds."""
     if int8 is not None and inputs:
         inputs = [all_gather_row(inputs, int8, comm.device)]
         slots, buffer_dtype = [(int8.row_bytes, torch.uint8)], torch.uint8
@@ -212,12 +217,13 @@ def all_gather(
         # The input is the whole output: nothing to exchange.
         return AllGatherInFlight(all_gather_output, comm.done_here(), int8)
     in_flight = comm.issue(
-        "all_gather",
+        kind,
         group_name,
         all_gather_output.numel() * all_gather_output.element_size(),
         lambda async_op: _all_gather(
             custom, all_gather_output, all_gather_input, collectives, async_op
         ),
+        stream="all_gather",  # whatever kind (the all-gather across replicas too)
     )
     return AllGatherInFlight(all_gather_output, in_flight, int8)
 

@@ -137,12 +137,14 @@ class CommContext:
         nbytes: int,
         collective: Callable[[bool], Waitable | None],
         after: tuple[InFlight, ...] = (),
+        stream: str | None = None,
     ) -> InFlight:
         """Runs ``collective(async_op)``: on the comm stream of ``kind``
-        ("all_gather", "reduce_scatter" or "all_reduce") on accelerators,
-        asynchronously on CPU. ``nbytes`` (of the full buffer) is for the
-        statistics. ``after``: accelerators, collectives in flight whose output
-        this one reads (ordered after their events)."""
+        ("all_gather", "reduce_scatter" or "all_reduce"; ``stream`` names
+        another kind's for a kind of its own, e.g. "replica_all_gather") on
+        accelerators, asynchronously on CPU. ``nbytes`` (of the full buffer) is
+        for the statistics. ``after``: accelerators, collectives in flight whose
+        output this one reads (ordered after their events)."""
         label = f"{kind.replace('_', '-')} of {group_name!r}"
         stats = None
         if self.stats is not None:
@@ -153,19 +155,19 @@ class CommContext:
             ops = self.ops
             if ops is None:
                 return InFlight(collective(True), None, None, label, stats)
-            stream = self._stream(ops, kind)
+            comm_stream = self._stream(ops, stream or kind)
             # The copy-in ran on the current stream.
-            stream.wait_stream(ops.current_stream())
+            comm_stream.wait_stream(ops.current_stream())
             for earlier in after:
                 if earlier.event is not None:
-                    stream.wait_event(earlier.event)
-            with stream:
+                    comm_stream.wait_event(earlier.event)
+            with comm_stream:
                 work = collective(False)
                 if work is not None:
                     # A custom collective may return a handle even so: on an
                     # accelerator its wait() orders this stream after it.
                     work.wait()
-                event = stream.record_event()
+                event = comm_stream.record_event()
         return InFlight(None, event, ops, label, stats)
 
     @contextlib.contextmanager

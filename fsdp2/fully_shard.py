@@ -3,6 +3,7 @@ that makes each module an ``FSDPModule`` (whose methods are in module.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any, Protocol, cast, overload
@@ -30,9 +31,11 @@ from .validate import (
     check_mesh_spans_world,
     check_min_numel_to_shard,
     check_module,
+    check_param_over_replicas,
     check_params,
     check_policies,
     check_reshard_after_forward,
+    check_shard_over_replicas_mesh,
     resolve_mesh,
     shard_placements,
 )
@@ -62,6 +65,7 @@ class FullyShard(Protocol):
         dp_mesh_dims: DataParallelMeshDims | None = ...,
         min_numel_to_shard: int = ...,
         compression: CompressionPolicy = ...,
+        shard_optimizer_over_replicas: bool = ...,
     ) -> FSDPModule: ...
 
     @overload
@@ -78,6 +82,7 @@ class FullyShard(Protocol):
         dp_mesh_dims: DataParallelMeshDims | None = ...,
         min_numel_to_shard: int = ...,
         compression: CompressionPolicy = ...,
+        shard_optimizer_over_replicas: bool = ...,
     ) -> list[FSDPModule]: ...
 
     def state(self, module: nn.Module) -> FSDPState | None: ...
@@ -102,6 +107,7 @@ def fully_shard(
     dp_mesh_dims: DataParallelMeshDims | None = None,
     min_numel_to_shard: int = 0,
     compression: CompressionPolicy = CompressionPolicy(),  # noqa: B008 (frozen)
+    shard_optimizer_over_replicas: bool = False,
 ) -> FSDPModule | list[FSDPModule]:
     """Shards ``module``'s parameters over ``mesh`` and communicates them as one group.
 
@@ -168,6 +174,15 @@ def fully_shard(
             in fp32); see ``CompressionPolicy`` and docs/usage.md. Sharded
             parameters, gradients and optimizer state keep their dtype.
             (Default: nothing compressed)
+        shard_optimizer_over_replicas: HSDP only (a 2D ``mesh``): split each
+            sharded parameter again across the replicas, so that the
+            optimizer's parameters, gradients and state are 1/(R*S) of it
+            (placed ``(_StridedShard(0, split_factor=S), Shard(0))``), while
+            all-gathers stay inside the shard group: a rank keeps its shard
+            group's chunk in ``param_dtype``, gathered across the replicas
+            again after each optimizer step, and gradients are
+            reduce-scattered (not all-reduced) across the replicas. See
+            docs/usage.md. (Default: False)
 
     Parameters that are already DTensors (tensor parallelism, from
     ``parallelize_module`` on ``mesh["tp"]`` of the mesh whose ``mesh["dp"]``
@@ -180,8 +195,12 @@ def fully_shard(
     modules = _module_list(module)
     mesh = resolve_mesh(mesh, full_spmd_mesh=dp_mesh_dims is not None)
     check_policies(mp_policy, offload_policy)
+    if shard_optimizer_over_replicas:
+        check_shard_over_replicas_mesh(mesh, dp_mesh_dims)
     if dp_mesh_dims is None:
         mesh_info = MeshInfo.from_mesh(mesh)
+        if shard_optimizer_over_replicas:
+            mesh_info = dataclasses.replace(mesh_info, shard_over_replicas=True)
     else:
         mesh_info = spmd_mesh_info(mesh, dp_mesh_dims)
         if not isinstance(reshard_after_forward, bool | None):
@@ -209,6 +228,12 @@ def fully_shard(
         )
         for (fqn, param), (dim, info) in zip(named_params, placements, strict=True)
     ]
+    if shard_optimizer_over_replicas:
+        for (fqn, param), (dim, info), extends in zip(
+            named_params, placements, extended, strict=True
+        ):
+            if extends or _local_numel(param) >= min_numel_to_shard:
+                check_param_over_replicas(fqn, param, dim, info, mesh_info, extends)
 
     mark_ignored(ignored)  # plain on purpose: not "a root left unsharded" (checks.py)
     state = FSDPState(modules, mesh_info, device, resharding, mp_policy)

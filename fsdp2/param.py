@@ -51,6 +51,7 @@ from .private_api import (
     set_local_tensor,
     strided_shard,
 )
+from .replica import ReplicaShard
 from .validate import FSDP_SHARDED
 
 
@@ -175,6 +176,13 @@ class FSDPParam:
         self.pin_memory = isinstance(offload_policy, CPUOffloadPolicy) and offload_policy.pin_memory
         with torch.no_grad():
             local = _shard_of(data.detach(), shard_dim, world_size, rank)
+            # HSDP over replicas: the shard group's chunk split again, this rank's piece.
+            self.replica: ReplicaShard | None = None
+            if mesh_info.shard_over_replicas and not replicated:
+                replicas = mesh_info.replicate_world_size
+                self.replica = ReplicaShard(local.shape, replicas, mesh_info.mesh.get_local_rank(0))
+                start += self.replica.start
+                local = self.replica.piece_of(local).clone()
             # Meta parameters stay on meta until ``module.to_empty(device=...)``.
             local = local if data.is_meta else self._pinned(local.to(self.shard_device), ops)
         self._local_start = start
@@ -182,6 +190,8 @@ class FSDPParam:
             self._as_dtensor(local), requires_grad=param.requires_grad
         )
         self.sharded_param.__dict__[FSDP_SHARDED] = True
+        if self.replica is not None:
+            self.replica.mark(self.sharded_param)
         self.local_numel = local.numel()
         self.local_shape = local.shape
         self._unsharded_padded: torch.Tensor | None = None
@@ -232,11 +242,15 @@ class FSDPParam:
         if param is not self.sharded_param:
             param = self._adoptable(param)
             param.__dict__[FSDP_SHARDED] = True
+            if self.replica is not None:
+                self.replica.mark(param)
             self.sharded_param = param
             self.requires_grad = param.requires_grad
             self._set_on_modules(param)
         if param.dtype != self.orig_dtype:
             self._init_dtypes(param.dtype)
+            if self.replica is not None:
+                self.replica.drop()
             # Rebuilt in the new dtype at the next unshard.
             self._unsharded_padded = None
             self.unsharded_param = None
@@ -311,6 +325,9 @@ class FSDPParam:
         tensor parallelism])."""
         dp_placements = list(self.mesh_info.placements)
         dp_placements[-1] = Replicate() if self.replicated else Shard(self.shard_dim)
+        if self.mesh_info.shard_over_replicas and not self.replicated:
+            # [Note: sharded over replicas]: chunked over the shard axis first.
+            dp_placements[0] = strided_shard(0, self.mesh_info.shard_world_size)
         tp = self.tp_layout
         if tp is None:
             return self.mesh_info.mesh, tuple(dp_placements)
@@ -385,6 +402,8 @@ class FSDPParam:
         slot long: the local shard (cast to ``param_dtype`` by the copy-in), or
         what the subclass's ``fsdp_pre_all_gather`` returns."""
         local = local_tensor(self.sharded_param)
+        if self.replica is not None:  # refreshed by the group (replica.py)
+            return [self.replica.chunk()]
         if self.extension is None:
             return [local.view(-1)]
         if self.offload:

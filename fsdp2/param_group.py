@@ -50,6 +50,7 @@ from .param import FSDPParam
 from .post_backward import PostBackwardCount
 from .primitives import Collectives
 from .private_api import outside_functorch, profiled
+from .replica import refresh_all_gather_inputs
 
 if TYPE_CHECKING:
     from .order import ExecutionOrderCheck
@@ -169,6 +170,8 @@ class FSDPParamGroup:
             info = self.mesh_info
             for fsdp_param in self.sharded_params:
                 fsdp_param.check_not_replaced()
+            if info.shard_over_replicas:  # the chunks of changed pieces, gathered again
+                refresh_all_gather_inputs(self.sharded_params, info, self.root_ctx.comm, self.name)
             inputs = [x for p in self.sharded_params for x in p.all_gather_inputs()]
             slots = self._all_gather_slots()
         buffer_dtype = all_gather_dtype([dtype for _, dtype in slots])

@@ -4,8 +4,9 @@ to the sharded gradients.
     post_backward(group)   take the unsharded grads, reshard, make room in
                            the queue, start the reduce-scatter (and, on
                            accelerators for HSDP, the all-reduce after it)
-    oldest finished        HSDP: all-reduce across replicas (or keep the
-                           shard-group sums, set_requires_all_reduce(False))
+    oldest finished        HSDP: all-reduce across replicas, or with
+                           shard_optimizer_over_replicas reduce-scatter (or
+                           keep the shard-group sums, set_requires_all_reduce(False))
     assign                 divide what the plan left to divide, run the
                            all-reduce hook, accumulate the sharded grads
     finish_backward        the final callback's work: stragglers'
@@ -32,6 +33,7 @@ from .device_ops import DeviceOps
 from .offload import HostCopy
 from .param_group import FSDPParamGroup, GroupContext
 from .private_api import profiled
+from .replica import reduce_scatter_across_replicas
 
 logger = logging.getLogger("fsdp2")
 
@@ -107,6 +109,12 @@ class ReductionPipeline:
             _add_partial_grads(reduced)
             self.finish_all_reduces()
             self._check_all_reduce(group, reduced)
+            if group.mesh_info.shard_over_replicas:  # see [Note: sharded over replicas]
+                across = reduce_scatter_across_replicas(
+                    reduced, group.mesh_info, self.root_ctx.comm, group.name
+                )
+                self.all_reduces.append((group, across))
+                return
             self.all_reduces.append(
                 (
                     group,
@@ -132,6 +140,7 @@ class ReductionPipeline:
         if (
             not self.root_ctx.comm.uses_streams
             or replicate is None
+            or group.mesh_info.shard_over_replicas  # repacked after the reduce-scatter
             or not group.requires_all_reduce
             or any(p.partial_grad is not None for p in reduced.fsdp_params)
         ):
@@ -241,13 +250,21 @@ def _output_slots(
     reduced: ReduceInFlight, output: torch.Tensor | None = None
 ) -> list[torch.Tensor]:
     """Each reduced parameter's rows of ``output`` (the reduction's own by
-    default), shaped like its local shard."""
+    default), shaped like its local shard (sharded over replicas: like its
+    shard group's chunk until the reduction across replicas, like its piece
+    after)."""
+    params = reduced.fsdp_params
+    if reduced.across_replicas:
+        sizes = [
+            p.padded_shard_numel if p.replica is None else p.replica.slot_numel for p in params
+        ]
+        shapes = [p.local_shape for p in params]
+    else:
+        sizes = [p.padded_shard_numel for p in params]
+        shapes = [p.local_shape if p.replica is None else p.replica.chunk_shape for p in params]
     output = reduced.output if output is None else output
-    slots = output.split_with_sizes([p.padded_shard_numel for p in reduced.fsdp_params])
-    return [
-        slot[: p.local_numel].view(p.local_shape)
-        for p, slot in zip(reduced.fsdp_params, slots, strict=True)
-    ]
+    slots = output.split_with_sizes(sizes)
+    return [slot[: shape.numel()].view(shape) for slot, shape in zip(slots, shapes, strict=True)]
 
 
 @torch.no_grad()

@@ -26,12 +26,25 @@ class CollectiveStats:
     ready_when_waited: int = 0
 
 
+# Every kind of collective a group records.
+KINDS = (
+    "all_gather",
+    "reduce_scatter",
+    "all_reduce",
+    "replica_all_gather",
+    "replica_reduce_scatter",
+)
+
+
 @dataclass
 class GroupStats:
     all_gather: CollectiveStats = field(default_factory=CollectiveStats)
     reduce_scatter: CollectiveStats = field(default_factory=CollectiveStats)
     # Across HSDP replicas, and of replicated parameters' gradients (min_numel_to_shard).
     all_reduce: CollectiveStats = field(default_factory=CollectiveStats)
+    # shard_optimizer_over_replicas: across the replicas, of the shard group's chunks.
+    replica_all_gather: CollectiveStats = field(default_factory=CollectiveStats)
+    replica_reduce_scatter: CollectiveStats = field(default_factory=CollectiveStats)
 
     def of(self, kind: str) -> CollectiveStats:
         return getattr(self, kind)
@@ -56,7 +69,7 @@ class CommStats:
         total: dict[str, GroupStats] = defaultdict(GroupStats)
         for step in [*self.steps, self._current]:
             for group, stats in step.items():
-                for kind in ("all_gather", "reduce_scatter", "all_reduce"):
+                for kind in KINDS:
                     into, add = total[group].of(kind), stats.of(kind)
                     into.count += add.count
                     into.bytes += add.bytes
@@ -90,11 +103,20 @@ def format_table(totals: dict[str, GroupStats], steps: int) -> str:
         "wait",
         "ready when waited",
     ]
+    # shard_optimizer_over_replicas: its collectives across replicas, when there are any.
+    replicas = any(
+        stats.replica_all_gather.count or stats.replica_reduce_scatter.count
+        for stats in totals.values()
+    )
+    if replicas:
+        columns[-2:-2] = ["replica all-gathers", "bytes", "replica reduce-scatters", "bytes"]
     for name in columns:
         table.add_column(name, justify="left" if name == "group" else "right")
     waited = 0.0
     for group, stats in totals.items():
-        kinds = (stats.all_gather, stats.reduce_scatter, stats.all_reduce)
+        kinds = [stats.all_gather, stats.reduce_scatter, stats.all_reduce]
+        if replicas:
+            kinds += [stats.replica_all_gather, stats.replica_reduce_scatter]
         wait = sum(k.wait_seconds for k in kinds)
         waited += wait
         counts = [c for k in kinds for c in (f"{k.count:,}", human_bytes(k.bytes))]

@@ -8,7 +8,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from .common import MeshInfo, SpmdAxes
+from .common import MeshInfo, SpmdAxes, strided_layout_matches
 from .compression import CompressionPolicy
 from .extension import POST_ALL_GATHER, PRE_ALL_GATHER
 from .mesh import MeshInfos, ShardPlacementResult
@@ -128,6 +128,14 @@ def check_compression(compression: object, mesh_info: MeshInfo) -> None:
             "compression must be an fsdp2.CompressionPolicy, got "
             f"{type(compression).__name__}. Pass e.g. "
             "compression=CompressionPolicy(weights='int8', gradients='bf16')."
+        )
+    compresses = compression.weights is not None or compression.gradients is not None
+    if compresses and mesh_info.shard_over_replicas:
+        raise ValueError(
+            f"{compression} together with shard_optimizer_over_replicas=True is not supported "
+            "yet: the reduce-scatter and all-gather across replicas are not compressed. Use "
+            "one of the two, e.g. CompressionPolicy(gradients='bf16', across='replicate') with "
+            "plain HSDP."
         )
     if compression.across != "replicate":
         return
@@ -384,3 +392,56 @@ def check_min_numel_to_shard(value: object) -> None:
         raise TypeError(f"min_numel_to_shard must be an int (a number of elements), got {value!r}.")
     if value < 0:
         raise ValueError(f"min_numel_to_shard must be >= 0, got {value}. 0 shards every parameter.")
+
+
+def check_shard_over_replicas_mesh(mesh: DeviceMesh, dp_mesh_dims: object) -> None:
+    """``shard_optimizer_over_replicas`` needs an HSDP mesh passed as ``mesh``."""
+    if dp_mesh_dims is not None:
+        raise ValueError(
+            "fully_shard(shard_optimizer_over_replicas=True) does not support dp_mesh_dims "
+            "(parameters that are already DTensors on a larger mesh). Pass a 2D "
+            "(replicate, shard) mesh as mesh without dp_mesh_dims, or leave "
+            "shard_optimizer_over_replicas off."
+        )
+    if mesh.ndim != 2:
+        raise ValueError(
+            "fully_shard(shard_optimizer_over_replicas=True) needs a 2D (replicate, shard) "
+            f"mesh (HSDP), got a {mesh.ndim}D mesh of shape {tuple(mesh.shape)}. A 1D mesh "
+            "already shards parameters and optimizer state over every rank: leave "
+            "shard_optimizer_over_replicas off, or pass init_device_mesh(device, (R, S), "
+            'mesh_dim_names=("replicate", "shard")).'
+        )
+
+
+def check_param_over_replicas(
+    fqn: str, param: nn.Parameter, dim: int, info: MeshInfo, default: MeshInfo, extends: bool
+) -> None:
+    """A parameter that ``shard_optimizer_over_replicas`` splits again across the
+    replicas (not one kept whole by ``min_numel_to_shard``)."""
+    unsupported = "fully_shard(shard_optimizer_over_replicas=True) does not support"
+    if isinstance(param, DTensor):
+        raise ValueError(
+            f"{unsupported} parameters that are already DTensors (tensor parallelism): "
+            f"{fqn!r} is placed {param.placements}. Use plain HSDP (leave the option off)."
+        )
+    if info is not default or dim != 0:
+        raise ValueError(
+            f"{unsupported} shard_placement_fn placing {fqn!r} on dim {dim} or on another "
+            "mesh: parameters are sharded on dim 0 of the mesh passed to fully_shard. Return "
+            "None from shard_placement_fn, or shard that module with plain HSDP."
+        )
+    if extends:
+        raise ValueError(
+            f"{unsupported} tensor subclasses that all-gather themselves: {fqn!r} is a "
+            f"{type(param.data).__name__} with fsdp_pre_all_gather. Use plain HSDP for it."
+        )
+    rows, replicas, shards = param.size(0), info.replicate_world_size, info.shard_world_size
+    if not strided_layout_matches(rows, replicas, shards):
+        raise ValueError(
+            f"{unsupported} {fqn!r} on this mesh: its dim 0 of {rows} rows, chunked over "
+            f"{shards} shards and each chunk over {replicas} replicas, is not a layout "
+            f"DTensor can describe ((_StridedShard(0, split_factor={shards}), Shard(0)) "
+            "places its rows differently, so full_tensor() and checkpoints would be wrong). "
+            f"Pad dim 0 to a multiple of {replicas * shards}, keep it whole with "
+            "min_numel_to_shard, or shard its module with plain HSDP."
+        )

@@ -8,6 +8,8 @@ device under torch's ``MemTracker`` (meta tensors have sizes, not storage).
 
     python scripts/estimate.py --model llama-7b --world-size 1024 --batch 1 --seq 4096
     python scripts/estimate.py --model demo --world-size 2 --json out.json
+    python scripts/estimate.py --model llama-70b --world-size 512 --replicas 64 \
+        --shard-optimizer-over-replicas
 
 Per rank, at the peak of a training step (AdamW, ``zero_grad(set_to_none=True)``,
 one group per block + root): the start of backward, when every activation is
@@ -88,6 +90,12 @@ class Estimate:
     peak_bytes: int
     all_gather_bytes: int  # per step, whole buffers (what each rank receives, plus its own)
     reduce_scatter_bytes: int  # per step, whole buffers (what each rank sends, plus its own)
+    replicas: int = 1  # HSDP: (replicas, world_size // replicas)
+    shard_optimizer_over_replicas: bool = False
+    # HSDP: per step, whole buffers across the replicas (an all-reduce; with the
+    # option a reduce-scatter and an all-gather of the shard group's chunks).
+    across_replicas_bytes: int = 0
+    chunk_bytes: int = 0  # the option: the shard group's chunks kept (param dtype)
 
 
 def build_model(config: LlamaConfig) -> Llama:
@@ -140,18 +148,33 @@ def activation_bytes(config: LlamaConfig, batch: int, seq: int) -> int:
     )
 
 
-def estimate(config: LlamaConfig, world_size: int, batch: int, seq: int) -> Estimate:
+def estimate(
+    config: LlamaConfig,
+    world_size: int,
+    batch: int,
+    seq: int,
+    replicas: int = 1,
+    shard_optimizer_over_replicas: bool = False,
+) -> Estimate:
     """Shards a meta-device model over a fake world of ``world_size`` ranks
-    (this process is rank 0, which holds the largest shards)."""
+    (this process is rank 0, which holds the largest shards), as HSDP over
+    ``replicas`` replicas if more than one."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
-        mesh = DeviceMesh("cpu", torch.arange(world_size))
+        if replicas > 1:
+            ranks = torch.arange(world_size).view(replicas, -1)
+            mesh = DeviceMesh("cpu", ranks, mesh_dim_names=("replicate", "shard"))
+        else:
+            mesh = DeviceMesh("cpu", torch.arange(world_size))
+        kwargs = {"mesh": mesh}
+        if shard_optimizer_over_replicas:
+            kwargs["shard_optimizer_over_replicas"] = True
         model = build_model(config)
         for block in model.layers:
-            fsdp2.fully_shard(block, mesh=mesh)
-        fsdp2.fully_shard(model, mesh=mesh)
+            fsdp2.fully_shard(block, **kwargs)
+        fsdp2.fully_shard(model, **kwargs)
         rows = {row.module: row for row in fsdp2.summary(model, print_table=False)}
     finally:
         dist.destroy_process_group()
@@ -163,6 +186,12 @@ def estimate(config: LlamaConfig, world_size: int, batch: int, seq: int) -> Esti
     root_unsharded = 2 * root.unsharded_bytes
     blocks_unsharded = block.unsharded_bytes
     activations = activation_bytes(config, batch, seq)
+    # Across replicas, per step: HSDP all-reduces each shard group's chunk of the
+    # gradients; the option reduce-scatters it and all-gathers the chunks again
+    # (whole buffers, padded to the shard group's slots).
+    chunks = (root_padded + sum(padded.values())) * replicas // world_size
+    across = 0 if replicas == 1 else chunks * (2 if shard_optimizer_over_replicas else 1)
+    kept = chunks if shard_optimizer_over_replicas else 0
     return Estimate(
         world_size=world_size,
         params=root.numel + sum(r.numel for r in rows.values()),
@@ -170,9 +199,13 @@ def estimate(config: LlamaConfig, world_size: int, batch: int, seq: int) -> Esti
         root_unsharded_bytes=root_unsharded,
         blocks_unsharded_bytes=blocks_unsharded,
         activation_bytes=activations,
-        peak_bytes=sharded + root_unsharded + blocks_unsharded + activations,
+        peak_bytes=sharded + kept + root_unsharded + blocks_unsharded + activations,
         all_gather_bytes=root_padded + 2 * sum(padded.values()),
         reduce_scatter_bytes=root_padded + sum(padded.values()),
+        replicas=replicas,
+        shard_optimizer_over_replicas=shard_optimizer_over_replicas,
+        across_replicas_bytes=across,
+        chunk_bytes=kept,
     )
 
 
@@ -284,20 +317,26 @@ def print_estimate(e: Estimate, name: str, batch: int, seq: int) -> None:
     from rich.table import Table
 
     unit, scale = ("GiB", 2**30) if e.peak_bytes >= 2**30 else ("MiB", 2**20)
+    ranks = f"{e.world_size} ranks"
+    if e.replicas > 1:
+        ranks += f" (HSDP {e.replicas} x {e.world_size // e.replicas}"
+        ranks += ", optimizer over replicas)" if e.shard_optimizer_over_replicas else ")"
     table = Table(
-        title=f"fsdp2 estimate: {name} ({e.params / 1e9:.2f} B params) on {e.world_size} ranks, "
+        title=f"fsdp2 estimate: {name} ({e.params / 1e9:.2f} B params) on {ranks}, "
         f"{batch} x {seq} tokens per rank, fp32 + AdamW"
     )
     table.add_column("per rank")
     table.add_column(unit, justify="right")
     for label, value in (
         ("sharded params + AdamW states", e.sharded_state_bytes),
+        ("shard group's chunks kept (optimizer over replicas)", e.chunk_bytes),
         ("root's unsharded params + grads", e.root_unsharded_bytes),
         ("1 block's unsharded params", e.blocks_unsharded_bytes),
         ("activations and temporaries", e.activation_bytes),
         ("peak", e.peak_bytes),
         ("all-gathered per step", e.all_gather_bytes),
         ("reduce-scattered per step", e.reduce_scatter_bytes),
+        ("across replicas per step", e.across_replicas_bytes),
     ):
         table.add_row(label, f"{value / scale:.3f}")
     Console().print(table)
@@ -309,6 +348,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--world-size", type=int, default=1024)
     p.add_argument("--batch", type=int, default=1, help="sequences per rank")
     p.add_argument("--seq", type=int, default=None, help="tokens per sequence (default: max)")
+    p.add_argument("--replicas", type=int, default=1, help="HSDP: replicas (mesh R x W/R)")
+    p.add_argument(
+        "--shard-optimizer-over-replicas",
+        action="store_true",
+        help="HSDP: fully_shard(shard_optimizer_over_replicas=True)",
+    )
     p.add_argument("--json", help="also write the estimate to this file")
     p.add_argument(
         "--link-gbps",
@@ -336,11 +381,17 @@ def main(argv: list[str] | None = None) -> None:
         if args.json:
             Path(args.json).write_text(json.dumps(grid, indent=2))
         return
+    if args.replicas < 1 or args.world_size % args.replicas:
+        p.error(f"--replicas {args.replicas} must divide --world-size {args.world_size}")
+    if args.shard_optimizer_over_replicas and args.replicas < 2:
+        p.error("--shard-optimizer-over-replicas needs --replicas of 2 or more (HSDP)")
     config = PRESETS[args.model]
     seq = args.seq or config.max_seq_len
     if seq > config.max_seq_len:
         p.error(f"--seq {seq} is longer than {args.model}'s max_seq_len {config.max_seq_len}")
-    result = estimate(config, args.world_size, args.batch, seq)
+    result = estimate(
+        config, args.world_size, args.batch, seq, args.replicas, args.shard_optimizer_over_replicas
+    )
     print_estimate(result, args.model, args.batch, seq)
     output: dict[str, object] = asdict(result)
     if args.link_gbps is not None:

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from ..private_api import shards_tensor
 from .newton_schulz import orthogonalize
 from .owners import assign_owners, newton_schulz_cost
 
@@ -40,6 +41,14 @@ def shard_group_of(param: DTensor, name: str = "parameter") -> ShardGroup:
     """The shard group of a parameter sharded on dim 0 along one mesh axis (FSDP,
     or HSDP's shard axis with replicas elsewhere); a clear error otherwise."""
     shard_axes = []
+    if any(shards_tensor(p) and type(p) is not Shard for p in param.placements):
+        raise ValueError(
+            f"fsdp2.optim.Muon supports parameters sharded along one mesh axis, but {name} is "
+            f"placed {tuple(param.placements)}: chunks of chunks, split along two axes, as "
+            "fully_shard(shard_optimizer_over_replicas=True) (or FSDP over tensor parallelism) "
+            "places them. Shard that model with plain HSDP (leave the option off) to use Muon, "
+            "or optimize it with torch.optim.Muon."
+        )
     for axis, placement in enumerate(param.placements):
         if type(placement) is Shard and placement.dim == 0:
             shard_axes.append(axis)
