@@ -92,6 +92,7 @@ class SyncComm:
         nbytes: int,
         collective: Callable[[bool], object],
         after: tuple = (),
+        stream: str | None = None,
     ) -> InFlight:
         collective(False)
         return InFlight(work=None, event=None, ops=None, label=kind, stats=None)
