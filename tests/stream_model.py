@@ -47,6 +47,7 @@ must then report violations.
 from __future__ import annotations
 
 import gc
+import time
 import weakref
 from collections.abc import Iterator
 from typing import Any, NamedTuple
@@ -340,9 +341,18 @@ class StreamModel(TorchDispatchMode):
 
     def alive(self, kind: str) -> int:
         """Buffers of ``kind`` (the first op writing them) alive now, after a
-        collection (cyclic garbage the collector has not reached is not held)."""
-        gc.collect()
-        return self._alive(kind)
+        collection (cyclic garbage the collector has not reached is not held).
+        A count above 0 is read again for up to a second: gloo's worker thread
+        may drop its references to a finished collective's tensors a moment
+        after ``wait()`` returned (seen once, after an exception's reset); a
+        buffer fsdp2 itself holds stays counted."""
+        deadline = time.monotonic() + 1.0
+        while True:
+            gc.collect()
+            count = self._alive(kind)
+            if count == 0 or time.monotonic() > deadline:
+                return count
+            time.sleep(0.01)
 
     def _alive(self, kind: str) -> int:
         """Buffers of ``kind`` whose storage still holds bytes (a storage
