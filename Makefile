@@ -40,7 +40,10 @@ bench: setup
 
 # On a CUDA machine: parity, overlap, memory and step time against torch's
 # fully_shard (a few minutes, one table); without CUDA it says so and exits 0.
-gpu-check: setup
+# On a machine with its own torch and no package index: make gpu-check PY=python3
+# (no venv is made; fsdp2 runs from the checkout).
+gpu-check:
+	$(if $(filter $(VENV)/bin/python,$(PY)),@$(MAKE) --no-print-directory setup)
 	$(PY) scripts/gpu_check.py
 
 lint: setup

@@ -37,7 +37,7 @@ from .compressed import (
 from .compressed import all_reduce as compressed_all_reduce
 from .custom_comm import AllGather, ReduceScatter, allocate
 from .primitives import Collectives, ReduceOp, Waitable
-from .private_api import chunk_cat_, foreach_copy_, profiled
+from .private_api import chunk_cat_, foreach_copy_, premul_sum, profiled
 
 if TYPE_CHECKING:
     from .param import FSDPParam
@@ -106,7 +106,7 @@ def divide_plan(
             return DividePlan(None, AVG, SUM, None)
         if shard_world_size == 1 and not one_rank_collectives:
             return DividePlan(factor, SUM, SUM, None)
-        return DividePlan(None, dist.ReduceOp.PREMUL_SUM(1 / factor), SUM, None)
+        return DividePlan(None, premul_sum(1 / factor), SUM, None)
     if no_overflow_risk:
         return DividePlan(None, SUM, SUM, _unless_one(divisor))
     pre = 1

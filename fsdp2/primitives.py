@@ -68,7 +68,8 @@ class Collectives:
         self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False
     ) -> Waitable | None:
         """Gathers every rank's ``input`` into ``output`` (rank-major along dim 0)."""
-        return dist.all_gather_single(output, input, group=self.process_group, async_op=async_op)
+        gather = _torch_collective("all_gather_single", "all_gather_into_tensor")
+        return gather(output, input, group=self.process_group, async_op=async_op)
 
     def reduce_scatter(
         self,
@@ -79,9 +80,8 @@ class Collectives:
     ) -> Waitable | None:
         """Reduces ``input`` (rank-major) over the ranks with ``op``; this rank's
         block lands in ``output``."""
-        return dist.reduce_scatter_single(
-            output, input, op=op, group=self.process_group, async_op=async_op
-        )
+        scatter = _torch_collective("reduce_scatter_single", "reduce_scatter_tensor")
+        return scatter(output, input, op=op, group=self.process_group, async_op=async_op)
 
     def all_reduce(
         self, tensor: torch.Tensor, op: ReduceOp = dist.ReduceOp.SUM, async_op: bool = False
@@ -94,6 +94,12 @@ class Collectives:
         """Sends block k of ``input`` (dim 0 split in W) to rank k; block k of
         ``output`` receives rank k's (compressed gradients, compressed.py)."""
         return dist.all_to_all_single(output, input, group=self.process_group, async_op=async_op)
+
+
+def _torch_collective(name: str, before_2_13: str) -> Callable[..., Waitable | None]:
+    """``torch.distributed.<name>``, looked up at call time; torch before 2.13
+    (e.g. a GPU machine's own build) has it only under its older name."""
+    return getattr(dist, name, None) or getattr(dist, before_2_13)
 
 
 class GlooCollectives(Collectives):

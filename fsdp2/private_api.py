@@ -47,6 +47,7 @@ __all__ = [
     "mark_composable_api",
     "functorch_transforms_active",
     "outside_functorch",
+    "premul_sum",
     "queue_backward_callback",
     "shards_tensor",
     "strided_shard",
@@ -65,6 +66,19 @@ def queue_backward_callback(callback: Callable[[], None]) -> None:
     finished.
     """
     Variable._execution_engine.queue_callback(callback)
+
+
+def premul_sum(factor: float) -> dist.ReduceOp:
+    """NCCL's ``PREMUL_SUM`` reduction, multiplying each input by ``factor``.
+
+    Why private: torch 2.13 makes it public (``ReduceOp.PREMUL_SUM(factor)``);
+    before that (a GPU machine may carry torch 2.11) only
+    ``_make_nccl_premul_sum`` builds it.
+    """
+    op = dist.ReduceOp.PREMUL_SUM
+    if callable(op):
+        return op(factor)
+    return dist._make_nccl_premul_sum(factor)  # type: ignore[attr-defined]
 
 
 def mark_composable_api(module: torch.nn.Module, api_name: str) -> None:

@@ -53,7 +53,8 @@ def resolve_mesh(mesh: DeviceMesh | None, full_spmd_mesh: bool = False) -> Devic
                 "torch.distributed is not initialised. Call "
                 "torch.distributed.init_process_group() first, or pass mesh=..."
             )
-        accelerator = torch.accelerator.current_accelerator()
+        # Runtime check too: a CUDA build on a host without a GPU shards on the CPU.
+        accelerator = torch.accelerator.current_accelerator(check_available=True)
         device_type = accelerator.type if accelerator is not None else "cpu"
         return init_device_mesh(device_type, (dist.get_world_size(),))
     if not isinstance(mesh, DeviceMesh):
