@@ -370,14 +370,11 @@ class FSDPParam:
         return self._as_dtensor(local.to(self.sharded_param.device).contiguous())
 
     def _as_dtensor(self, local: torch.Tensor) -> DTensor:
-        return DTensor.from_local(
-            local,
-            self.mesh,
-            self.placements,
-            run_check=False,
-            shape=self.orig_size,
-            stride=_contiguous_strides(self.orig_size),
-        )
+        """The sharded parameter around ``local``, which stays where it is:
+        ``DTensor.from_local`` would move a CPU-offloaded shard to the mesh's
+        device (the GPU found it; a CPU mesh cannot show it)."""
+        spec = dtensor_spec(self.mesh, self.placements, self.orig_size, local.dtype)
+        return dtensor_from_local_no_grad(local, spec)
 
     def _assign_sharded_grad(self, local: torch.Tensor) -> None:
         self.sharded_param.grad = self._as_sharded_grad(local)

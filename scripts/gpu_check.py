@@ -36,13 +36,15 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import gc
 import json
 import os
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+import traceback
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -356,6 +358,9 @@ def deliberate_race(world: World) -> Row:
 def timed(world: World, fully_shard, policies: dict) -> tuple[float, int | None]:
     """Median step seconds and peak bytes allocated (CUDA) over the timed steps."""
     setting = world.setting
+    gc.collect()  # the models timed before, and their memory, are gone
+    if world.device.type == "cuda":
+        torch.cuda.empty_cache()
     model = shard(build(setting, world.device, timing=True), fully_shard, **policies)
     optim = torch.optim.SGD(model.parameters(), lr=0.1)
     for step in range(setting.warmup):
@@ -425,11 +430,24 @@ def profile(world: World, trace: Path) -> Row:
     return measured(name, f"{total:.0f}, {exposed:.0f}")
 
 
+def attempt(world: World, name: str, rows: Callable[..., list[Row]], *args: Any) -> list[Row]:
+    """``rows(world, *args)``, or one failed row saying what it raised: at world size 1 the
+    check goes on (one GPU-machine run shows every failure); with peers a rank
+    that went on alone would leave them waiting, so it raises."""
+    try:
+        return rows(world, *args)
+    except Exception as error:
+        if world.size > 1:
+            raise
+        traceback.print_exc()
+        return [Row(f"{world.label} {name}", f"raised {type(error).__name__}: {error}", "FAIL")]
+
+
 def run_world(world: World, trace_dir: Path) -> list[Row]:
     streams = StreamCheck(world.setting)
     rows = []
     for case in ("fp32", "bf16", "HSDP", "CPU offload"):
-        rows += parity(world, streams, case)
+        rows += attempt(world, case, parity, streams, case)
     checker = "model of streams" if world.setting.rehearse else "CUDA sanitizer"
     rows.append(
         check(
@@ -439,29 +457,38 @@ def run_world(world: World, trace_dir: Path) -> list[Row]:
             not streams.reports,
         )
     )
+    if streams.reports and world.rank == 0:
+        reports = trace_dir / f"stream_reports_x{world.size}.txt"
+        reports.write_text("\n\n".join(streams.reports))
     for offload in (False, True):
         what = "CPU offload" if offload else "default"
-        mine = timed(world, fsdp2.fully_shard, fsdp2_policies(False, offload))
-        policies = torch_policies(False, offload, pin_memory=world.device.type == "cuda")
-        theirs = timed(world, torch_fully_shard(), policies)
+        rows += attempt(world, f"{what} timing", timing, what, offload)
+    trace = trace_dir / f"gpu_check_trace_x{world.size}.json"
+    rows += attempt(world, "profile", lambda world: [profile(world, trace)])
+    if world.size == 1:  # a race must not leave peers waiting: alone only
+        rows += attempt(world, "deliberate race", lambda world: [deliberate_race(world)])
+    return rows
+
+
+def timing(world: World, what: str, offload: bool) -> list[Row]:
+    mine = timed(world, fsdp2.fully_shard, fsdp2_policies(False, offload))
+    policies = torch_policies(False, offload, pin_memory=world.device.type == "cuda")
+    theirs = timed(world, torch_fully_shard(), policies)
+    rows = [
+        measured(
+            f"{world.label} {what}: step ms, fsdp2 / torch",
+            f"{mine[0] * 1e3:.1f} / {theirs[0] * 1e3:.1f}",
+        )
+    ]
+    if mine[1] is None or theirs[1] is None:
+        rows.append(measured(f"{world.label} {what}: peak MiB", "n/a on CPU"))
+    else:
         rows.append(
             measured(
-                f"{world.label} {what}: step ms, fsdp2 / torch",
-                f"{mine[0] * 1e3:.1f} / {theirs[0] * 1e3:.1f}",
+                f"{world.label} {what}: peak MiB, fsdp2 / torch",
+                f"{mine[1] / 2**20:.1f} / {theirs[1] / 2**20:.1f}",
             )
         )
-        if mine[1] is None or theirs[1] is None:
-            rows.append(measured(f"{world.label} {what}: peak MiB", "n/a on CPU"))
-        else:
-            rows.append(
-                measured(
-                    f"{world.label} {what}: peak MiB, fsdp2 / torch",
-                    f"{mine[1] / 2**20:.1f} / {theirs[1] / 2**20:.1f}",
-                )
-            )
-    rows.append(profile(world, trace_dir / f"gpu_check_trace_x{world.size}.json"))
-    if world.size == 1:  # a race must not leave peers waiting: alone only
-        rows.append(deliberate_race(world))
     return rows
 
 
@@ -532,14 +559,22 @@ def main(argv: list[str] | None = None) -> int:
         for size, forced in worlds:
             result = out_dir / f"rows_x{size}.json"
             store = os.path.join(tmp, f"store_x{size}")
-            mp.spawn(
-                worker,
-                args=(size, forced, setting, store, str(result)),
-                nprocs=size,
-                join=True,
-            )
-            rows += [Row(*r) for r in json.loads(result.read_text())]
-    rows += fake_world_of_8(setting)
+            try:
+                mp.spawn(
+                    worker,
+                    args=(size, forced, setting, store, str(result)),
+                    nprocs=size,
+                    join=True,
+                )
+                rows += [Row(*r) for r in json.loads(result.read_text())]
+            except Exception as error:  # the table still shows the other worlds
+                traceback.print_exc()
+                rows.append(Row(f"x{size}: the ranks", f"raised: {error}"[-300:], "FAIL"))
+    try:
+        rows += fake_world_of_8(setting)
+    except Exception as error:
+        traceback.print_exc()
+        rows.append(Row("fake PG x8", f"raised {type(error).__name__}: {error}", "FAIL"))
     if args.rehearse:
         rows.append(measured("CUDA sanitizer", "skipped on CPU: the model of streams stood in"))
     seconds = time.perf_counter() - started
