@@ -272,6 +272,9 @@ class FSDPState:
             for other in root_ctx.groups:
                 if other.sharded_state is not ShardedState.UNSHARDED:
                     other.cancel_unshard()
+            # The last block's all-gather buffer would otherwise live through the
+            # loss and into backward, where the peak is (+1 block on an H100).
+            root_ctx.comm.release_copied_out()
         return self._cast_output(output)
 
     # -- backward ---------------------------------------------------------

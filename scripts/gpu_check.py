@@ -63,6 +63,8 @@ from llama import Llama, LlamaConfig  # noqa: E402
 
 import fsdp2  # noqa: E402
 from fsdp2.comm import InFlight  # noqa: E402
+from fsdp2.primitives import collectives_for  # noqa: E402
+from fsdp2.private_api import premul_sum  # noqa: E402
 
 GPU_CONFIG = LlamaConfig(vocab_size=512, dim=256, n_layers=4, n_heads=4, max_seq_len=128)
 # Step time, memory and the profile: large enough that kernels, not Python, take the time.
@@ -84,12 +86,15 @@ class Setting(NamedTuple):
     parity_steps: int
     timed_steps: int
     warmup: int
+    parity_only: bool = False  # the arithmetic and parity rows only (a quick rerun)
 
     @classmethod
-    def make(cls, rehearse: bool) -> Setting:
+    def make(cls, rehearse: bool, parity_only: bool = False) -> Setting:
         if rehearse:
-            return cls(True, "cpu", "gloo", REHEARSAL_CONFIG, REHEARSAL_CONFIG, 2, 8, 2, 2, 1)
-        return cls(False, "cuda", "nccl", GPU_CONFIG, GPU_TIMING_CONFIG, 8, 128, 3, 10, 3)
+            setting = cls(True, "cpu", "gloo", REHEARSAL_CONFIG, REHEARSAL_CONFIG, 2, 8, 2, 2, 1)
+        else:
+            setting = cls(False, "cuda", "nccl", GPU_CONFIG, GPU_TIMING_CONFIG, 8, 128, 3, 10, 3)
+        return setting._replace(parity_only=parity_only)
 
 
 class Row(NamedTuple):
@@ -263,30 +268,63 @@ class World(NamedTuple):
         return torch.cat([i for i, _ in everyone]), torch.cat([t for _, t in everyone])
 
 
+PARITY_CASES = ("fp32", "bf16", "HSDP", "HSDP, divide factor", "CPU offload")
+
+
+def reduction_ops(world: World) -> list[Row]:
+    """The reductions fsdp2 asks of the backend, on rank-dependent inputs
+    (rank r holds r + 1): each rank's block against the arithmetic, fp32 and
+    bf16. On one NCCL rank these take NCCL's one-rank path."""
+    size, rank, device = world.size, world.rank, world.device
+    total = size * (size + 1) / 2  # the sum over ranks of r + 1
+    expected = {"SUM": total, "AVG": total / size, "PREMUL_SUM(1/4)": total / 4}
+    if world.setting.backend != "nccl":  # gloo has neither AVG nor PREMUL_SUM
+        expected = {"SUM": total}
+    ops = {"SUM": dist.ReduceOp.SUM, "AVG": dist.ReduceOp.AVG}
+    collectives = collectives_for(dist.group.WORLD, device.type)
+    wrong = []
+    for dtype in (torch.float32, torch.bfloat16):
+        for name, want in expected.items():
+            op = premul_sum(0.25) if name.startswith("PREMUL") else ops[name]
+            full = torch.full((size * 4,), rank + 1.0, dtype=dtype, device=device)
+            out = torch.empty(4, dtype=dtype, device=device)
+            collectives.reduce_scatter(out, full, op=op)
+            if not torch.equal(out.float().cpu(), torch.full((4,), want)):
+                wrong.append(f"reduce-scatter {name} {dtype}: {out.tolist()} != {want}")
+            both = torch.full((4,), rank + 1.0, dtype=dtype, device=device)
+            collectives.all_reduce(both, op=op)
+            if not torch.equal(both.float().cpu(), torch.full((4,), want)):
+                wrong.append(f"all-reduce {name} {dtype}: {both.tolist()} != {want}")
+    name = f"{world.label} {world.setting.backend} {', '.join(expected)}: wrong results"
+    return [check(name, "; ".join(wrong) or "none", not wrong)]
+
+
 def parity(world: World, streams: StreamCheck, case: str) -> list[Row]:
-    """fsdp2 (and, for "fp32" and "bf16", torch's fully_shard) from equal
+    """fsdp2 and torch's fully_shard (not with CPU offload) from equal
     parameters, and the unsharded reference on every rank's batch (DDP
-    math), after a few SGD steps. "HSDP": mesh (replicas, 1) and a divide
-    factor of twice the world (PREMUL_SUM on NCCL; the reference's loss
-    halved); "CPU offload": the offload copies."""
+    math), after a few SGD steps. "HSDP": mesh (replicas, 1), averaged (AVG
+    on NCCL); "HSDP, divide factor": a divide factor of twice the world
+    (PREMUL_SUM on NCCL; the reference's loss halved); "CPU offload": the
+    offload copies."""
     setting, device, size = world.setting, world.device, world.size
-    bf16, offload, hsdp = case == "bf16", case == "CPU offload", case == "HSDP"
-    kwargs = fsdp2_policies(bf16, offload)
+    bf16, offload, hsdp = case == "bf16", case == "CPU offload", case.startswith("HSDP")
+    factor = 2.0 * size if case.endswith("divide factor") else None
+    mine_kwargs, torch_kwargs = fsdp2_policies(bf16, offload), torch_policies(bf16, False)
     if hsdp:
         mesh_shape, names = (size, 1), ("replicate", "shard")
-        kwargs["mesh"] = dist.device_mesh.init_device_mesh(
+        mesh = dist.device_mesh.init_device_mesh(
             setting.device_type, mesh_shape, mesh_dim_names=names
         )
-    mine = streams.plug(shard(build(setting, device), fsdp2.fully_shard, **kwargs))
-    if hsdp:
-        for module in mine.modules():
-            if isinstance(module, fsdp2.FSDPModule):  # not recursive
-                module.set_gradient_divide_factor(2.0 * size)
+        mine_kwargs["mesh"] = torch_kwargs["mesh"] = mesh
+    mine = streams.plug(shard(build(setting, device), fsdp2.fully_shard, **mine_kwargs))
     models = {"fsdp2": mine, "reference": build(setting, device)}
-    if case in ("fp32", "bf16"):
-        models["torch"] = shard(
-            build(setting, device), torch_fully_shard(), **torch_policies(bf16, False)
-        )
+    if not offload:
+        models["torch"] = shard(build(setting, device), torch_fully_shard(), **torch_kwargs)
+    if factor is not None:
+        for name in ("fsdp2", "torch"):
+            for module in models[name].modules():
+                if hasattr(module, "set_gradient_divide_factor"):  # not recursive
+                    module.set_gradient_divide_factor(factor)
     optims = {k: torch.optim.SGD(m.parameters(), lr=0.1) for k, m in models.items()}
     losses: dict[str, list[float]] = {k: [] for k in models}
     with fsdp2.comm_stats(mine) as stats:
@@ -299,7 +337,7 @@ def parity(world: World, streams: StreamCheck, case: str) -> list[Row]:
                     loss = train_step(models[name], optims[name], inputs, targets)
                 dist.all_reduce(loss)
                 losses[name].append(loss.item() / size)
-            ref, scale = models["reference"], 0.5 if hsdp else 1.0
+            ref, scale = models["reference"], 1.0 if factor is None else size / factor
             autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
             with autocast:
                 loss = train_step(ref, optims["reference"], *world.reference_batch(step), scale)
@@ -379,13 +417,32 @@ def timed(world: World, fully_shard, policies: dict) -> tuple[float, int | None]
 
 
 def exposed_communication(trace: Path, steps: int) -> tuple[float, float]:
-    """Per step: communication kernel time and the part of it during which no
-    compute kernel ran (µs); NaN without kernels (CPU)."""
+    """Per step: the device time of communication (kernels and copies launched
+    inside a c10d collective's host op: a one-rank NCCL communicator copies
+    rather than runs kernels) and the part of it during which no other kernel
+    ran (µs); NaN without any (a CPU trace)."""
     events = json.loads(trace.read_text())["traceEvents"]
-    kernels = [e for e in events if e.get("cat") == "kernel" and "dur" in e]
-    comm = [(e["ts"], e["ts"] + e["dur"]) for e in kernels if "nccl" in e["name"].lower()]
+    collective_ops: dict[Any, list[tuple[float, float]]] = {}
+    for e in events:
+        if e.get("cat") == "cpu_op" and e["name"].startswith(("c10d::", "nccl:")):
+            collective_ops.setdefault(e["tid"], []).append((e["ts"], e["ts"] + e["dur"]))
+    from_collective = {
+        e["args"]["correlation"]
+        for e in events
+        if e.get("cat") in ("cuda_runtime", "cuda_driver")
+        and "correlation" in e.get("args", {})
+        and any(start <= e["ts"] <= end for start, end in collective_ops.get(e["tid"], ()))
+    }
+    device = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    comm = [
+        (e["ts"], e["ts"] + e["dur"])
+        for e in device
+        if e["args"].get("correlation") in from_collective
+    ]
     compute = sorted(
-        (e["ts"], e["ts"] + e["dur"]) for e in kernels if "nccl" not in e["name"].lower()
+        (e["ts"], e["ts"] + e["dur"])
+        for e in device
+        if e["cat"] == "kernel" and e["args"].get("correlation") not in from_collective
     )
     merged: list[list[float]] = []
     for start, end in compute:
@@ -420,7 +477,7 @@ def profile(world: World, trace: Path) -> Row:
         for step in range(steps):
             train_step(model, optim, *batch(setting, step, world.rank, world.device, timing=True))
         world.synchronize()
-    name = f"{world.label} comm kernel µs/step, exposed µs/step ({trace.name})"
+    name = f"{world.label} comm µs/step, exposed µs/step ({trace.name})"
     if world.rank != 0:
         return measured(name, "rank 0's")  # only rank 0's rows are kept
     prof.export_chrome_trace(str(trace))
@@ -446,7 +503,8 @@ def attempt(world: World, name: str, rows: Callable[..., list[Row]], *args: Any)
 def run_world(world: World, trace_dir: Path) -> list[Row]:
     streams = StreamCheck(world.setting)
     rows = []
-    for case in ("fp32", "bf16", "HSDP", "CPU offload"):
+    rows += attempt(world, "collectives' arithmetic", reduction_ops)
+    for case in PARITY_CASES:
         rows += attempt(world, case, parity, streams, case)
     checker = "model of streams" if world.setting.rehearse else "CUDA sanitizer"
     rows.append(
@@ -460,6 +518,8 @@ def run_world(world: World, trace_dir: Path) -> list[Row]:
     if streams.reports and world.rank == 0:
         reports = trace_dir / f"stream_reports_x{world.size}.txt"
         reports.write_text("\n\n".join(streams.reports))
+    if world.setting.parity_only:
+        return rows
     for offload in (False, True):
         what = "CPU offload" if offload else "default"
         rows += attempt(world, f"{what} timing", timing, what, offload)
@@ -539,11 +599,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rehearse", action="store_true", help="on CPU, the same code")
     parser.add_argument("--out", type=Path, default=ROOT / "runs", help="JSON and traces")
+    parser.add_argument(
+        "--parity-only",
+        action="store_true",
+        help="the arithmetic and parity rows only: a quick rerun, e.g. under "
+        "CUDA_LAUNCH_BLOCKING=1 (every kernel waited for) to tell a race from arithmetic",
+    )
     args = parser.parse_args(argv)
     if not args.rehearse and not torch.cuda.is_available():
         print("gpu-check: skipped: no CUDA device here (torch.cuda.is_available() is False).")
         return 0
-    setting = Setting.make(args.rehearse)
+    setting = Setting.make(args.rehearse, args.parity_only)
     if args.rehearse:
         worlds, where = [(1, True), (2, False)], "CPU rehearsal (gloo, model of streams)"
     else:
@@ -571,7 +637,7 @@ def main(argv: list[str] | None = None) -> int:
                 traceback.print_exc()
                 rows.append(Row(f"x{size}: the ranks", f"raised: {error}"[-300:], "FAIL"))
     try:
-        rows += fake_world_of_8(setting)
+        rows += [] if setting.parity_only else fake_world_of_8(setting)
     except Exception as error:
         traceback.print_exc()
         rows.append(Row("fake PG x8", f"raised {type(error).__name__}: {error}", "FAIL"))

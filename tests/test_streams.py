@@ -117,6 +117,8 @@ class Run:
         self.grads_readable: list[bool] = []
         # At each optimizer step: all-gather buffers still alive (none should be).
         self.all_gather_buffers_at_step: list[int] = []
+        # After each forward (the loss, the start of backward: where the peak is).
+        self.all_gather_buffers_after_forward: list[int] = []
 
     @property
     def optimizer_stream(self) -> Any:
@@ -231,6 +233,7 @@ def _backward(
     step: int,
     rank: int,
     world_size: int,
+    run: Run,
 ) -> None:
     inputs, targets = _batch(name, step, rank, world_size)
     if "accumulation" in name:
@@ -258,6 +261,7 @@ def _backward(
         model.reset_iter_state()
         return
     loss = mean_loss(model, inputs, targets)
+    run.all_gather_buffers_after_forward.append(run.streams.alive("_foreach_copy_"))
     if name == "optimizer on a side stream":
         # The gradients the side stream read are freed once forward has waited for
         # it (set_post_optim_event), not before: their memory would be reused
@@ -314,7 +318,7 @@ def _train(name: str, streams: StreamModel, rank: int, world_size: int) -> Run:
             run.hook_points.clear()
             run.step_starts.append(len(streams.collectives))
             for model, optim in zip(models, optims, strict=True):
-                _backward(name, model, optim, step, rank, world_size)
+                _backward(name, model, optim, step, rank, world_size, run)
                 _optimizer_step(name, model, optim, run)
     return run
 
@@ -401,8 +405,10 @@ def _scenario(rank: int, world_size: int, name: str) -> None:
     # Memory: at most two groups' all-gather buffers alive (the running group's
     # and one prefetch), and K reduce-scatter inputs with a queue of K.
     assert streams.peak_alive.get("_foreach_copy_", 0) <= 2, streams.peak_alive
-    # None outlives backward (the final callback releases them) into the step.
+    # None outlives backward (the final callback releases them) into the step,
+    # nor forward (the root's post-forward) into the loss and backward.
     assert not any(run.all_gather_buffers_at_step), run.all_gather_buffers_at_step
+    assert not any(run.all_gather_buffers_after_forward), run.all_gather_buffers_after_forward
     if not name.startswith("HSDP"):  # there the input is the output, kept to the end
         queue = 2 if name == "reduce-scatter queue of 2" else 1
         assert streams.peak_alive.get("_chunk_cat", 0) == queue, streams.peak_alive
