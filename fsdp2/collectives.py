@@ -77,8 +77,10 @@ def divide_plan(
       ``ReduceOp.AVG`` for both (``SUM`` over a single rank); with a factor,
       a reduce-scatter that multiplies by ``1 / factor`` before summing
       (``PREMUL_SUM``, ``AVG`` if the factor is the shard group's size), then
-      a summing all-reduce. A reduce-scatter over one rank does not run: its
-      input is divided by the factor instead.
+      a summing all-reduce. Over one rank the input is divided by the
+      factor instead: the reduce-scatter does not run, and where it is forced
+      to, NCCL's one-rank path leaves PREMUL_SUM's factor out (an H100,
+      NCCL 2.28.9: ``make gpu-check``'s arithmetic row).
     - NCCL otherwise: sums; fp32 and bf16 divided after, other dtypes (fp16)
       by a power of two near the divisor's square root before the sum and by
       the rest after, so that neither the sum nor the quotients leave fp16's
@@ -87,8 +89,8 @@ def divide_plan(
       16-bit dtypes divided before the sum (it cannot overflow), others after.
 
     A division by 1 is left out. ``one_rank_collectives``
-    (``CommContext.force_collectives``): on NCCL, a world of one still divides
-    in its collectives (``AVG``, ``PREMUL_SUM``), as a larger one would.
+    (``CommContext.force_collectives``): on NCCL, a world of one still averages
+    in its collectives (``AVG``), as a larger one would.
     """
     ranks = shard_world_size * replicate_world_size
     divisor = float(ranks if factor is None else factor)
@@ -104,7 +106,7 @@ def divide_plan(
             return DividePlan(None, op, op, None)
         if factor == shard_world_size:
             return DividePlan(None, AVG, SUM, None)
-        if shard_world_size == 1 and not one_rank_collectives:
+        if shard_world_size == 1:  # forced too: a one-rank PREMUL_SUM drops its factor
             return DividePlan(factor, SUM, SUM, None)
         return DividePlan(None, premul_sum(1 / factor), SUM, None)
     if no_overflow_risk:

@@ -12,6 +12,7 @@ mixed up with its rows.
 """
 
 import contextlib
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -151,6 +152,22 @@ def _torch_collectives_on_gloo(rank: int, world_size: int) -> None:
     assert counts[c10d_ops.broadcast_] == 0, counts
     assert_close(output, torch.arange(world_size).repeat_interleave(2).float())
     assert_close(reduced, torch.full((2,), float(world_size)))
+    # torch before 2.13 (a GPU machine's own build) has only the older names.
+    newer = {name: getattr(dist, name) for name in ("all_gather_single", "reduce_scatter_single")}
+    for name in newer:
+        delattr(dist, name)
+    try:
+        older = ("all_gather_into_tensor", "reduce_scatter_tensor")
+        with _calls_of(*older) as calls, warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # deprecated in 2.13
+            collectives.all_gather(output, torch.full((2,), float(rank + 1)))
+            collectives.reduce_scatter(reduced, torch.full((2 * world_size,), 2.0))
+    finally:
+        for name, function in newer.items():
+            setattr(dist, name, function)
+    assert calls == dict.fromkeys(older, 1), calls
+    assert_close(output, torch.arange(1, world_size + 1).repeat_interleave(2).float())
+    assert_close(reduced, torch.full((2,), 2.0 * world_size))
 
 
 def _training_counts_equal_torch(rank: int, world_size: int) -> None:
