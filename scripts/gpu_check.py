@@ -54,6 +54,7 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -172,9 +173,17 @@ def _sanitizer() -> Any:
 # -- models and steps ---------------------------------------------------------
 
 
-def build(setting: Setting, device: torch.device, timing: bool = False) -> nn.Module:
+def build(
+    setting: Setting, device: torch.device, timing: bool = False, checkpointed: bool = False
+) -> nn.Module:
+    """The Llama; ``checkpointed``: each block's activations recomputed in
+    backward (non-reentrant activation checkpointing), fsdp2's hooks around it."""
     torch.manual_seed(0)
-    return Llama(setting.timing_config if timing else setting.config).to(device)
+    model = Llama(setting.timing_config if timing else setting.config).to(device)
+    if checkpointed:
+        for block in model.layers:
+            block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+    return model
 
 
 def shard(model: nn.Module, fully_shard, **kwargs) -> nn.Module:
@@ -268,7 +277,7 @@ class World(NamedTuple):
         return torch.cat([i for i, _ in everyone]), torch.cat([t for _, t in everyone])
 
 
-PARITY_CASES = ("fp32", "bf16", "HSDP", "HSDP, divide factor", "CPU offload")
+PARITY_CASES = ("fp32", "bf16", "checkpointed", "HSDP", "HSDP, divide factor", "CPU offload")
 
 
 def reduction_ops(world: World) -> list[Row]:
@@ -315,13 +324,15 @@ def reduction_ops(world: World) -> list[Row]:
 def parity(world: World, streams: StreamCheck, case: str) -> list[Row]:
     """fsdp2 and torch's fully_shard (not with CPU offload) from equal
     parameters, and the unsharded reference on every rank's batch (DDP
-    math), after a few SGD steps. "HSDP": mesh (replicas, 1), averaged (AVG
-    on NCCL); "HSDP, divide factor": a divide factor of twice the world
-    (PREMUL_SUM on NCCL; the reference's loss halved); "CPU offload": the
-    offload copies."""
+    math), after a few SGD steps. "checkpointed": activation checkpointing's
+    recompute in backward; "HSDP": mesh (replicas, 1), averaged (AVG on
+    NCCL); "HSDP, divide factor": a divide factor of twice the world
+    (PREMUL_SUM on NCCL over 2 ranks or more, divided before over one; the
+    reference's loss halved); "CPU offload": the offload copies."""
     setting, device, size = world.setting, world.device, world.size
     bf16, offload, hsdp = case == "bf16", case == "CPU offload", case.startswith("HSDP")
     factor = 2.0 * size if case.endswith("divide factor") else None
+    checkpointed = case == "checkpointed"
     mine_kwargs, torch_kwargs = fsdp2_policies(bf16, offload), torch_policies(bf16, False)
     if hsdp:
         mesh_shape, names = (size, 1), ("replicate", "shard")
@@ -329,10 +340,11 @@ def parity(world: World, streams: StreamCheck, case: str) -> list[Row]:
             setting.device_type, mesh_shape, mesh_dim_names=names
         )
         mine_kwargs["mesh"] = torch_kwargs["mesh"] = mesh
-    mine = streams.plug(shard(build(setting, device), fsdp2.fully_shard, **mine_kwargs))
-    models = {"fsdp2": mine, "reference": build(setting, device)}
+    built = [build(setting, device, checkpointed=checkpointed) for _ in range(3)]
+    mine = streams.plug(shard(built[0], fsdp2.fully_shard, **mine_kwargs))
+    models = {"fsdp2": mine, "reference": built[1]}
     if not offload:
-        models["torch"] = shard(build(setting, device), torch_fully_shard(), **torch_kwargs)
+        models["torch"] = shard(built[2], torch_fully_shard(), **torch_kwargs)
     if factor is not None:
         for name in ("fsdp2", "torch"):
             for module in models[name].modules():
@@ -533,9 +545,12 @@ def run_world(world: World, trace_dir: Path) -> list[Row]:
         reports.write_text("\n\n".join(streams.reports))
     if world.setting.parity_only:
         return rows
-    for offload in (False, True):
-        what = "CPU offload" if offload else "default"
-        rows += attempt(world, f"{what} timing", timing, what, offload)
+    for what, bf16, offload in (
+        ("fp32", False, False),
+        ("bf16 (fp32 reduce)", True, False),
+        ("CPU offload", False, True),
+    ):
+        rows += attempt(world, f"{what} timing", timing, what, bf16, offload)
     trace = trace_dir / f"gpu_check_trace_x{world.size}.json"
     rows += attempt(world, "profile", lambda world: [profile(world, trace)])
     if world.size == 1:  # a race must not leave peers waiting: alone only
@@ -543,9 +558,9 @@ def run_world(world: World, trace_dir: Path) -> list[Row]:
     return rows
 
 
-def timing(world: World, what: str, offload: bool) -> list[Row]:
-    mine = timed(world, fsdp2.fully_shard, fsdp2_policies(False, offload))
-    policies = torch_policies(False, offload, pin_memory=world.device.type == "cuda")
+def timing(world: World, what: str, bf16: bool, offload: bool) -> list[Row]:
+    mine = timed(world, fsdp2.fully_shard, fsdp2_policies(bf16, offload))
+    policies = torch_policies(bf16, offload, pin_memory=world.device.type == "cuda")
     theirs = timed(world, torch_fully_shard(), policies)
     rows = [
         measured(
