@@ -418,34 +418,51 @@ def deliberate_race(world: World) -> Row:
     return check(name, str(len(streams.reports)), len(streams.reports) > 0)
 
 
-def timed(world: World, fully_shard, policies: dict) -> tuple[float, int | None]:
-    """Median step seconds and peak bytes allocated (CUDA) over the timed steps."""
+def trained(world: World, fully_shard, policies: dict) -> tuple[nn.Module, Any]:
+    """The timing model sharded, with its optimizer, after the warm-up steps."""
     setting = world.setting
-    gc.collect()  # the models timed before, and their memory, are gone
-    if world.device.type == "cuda":
-        torch.cuda.empty_cache()
     model = shard(build(setting, world.device, timing=True), fully_shard, **policies)
     optim = torch.optim.SGD(model.parameters(), lr=0.1)
     for step in range(setting.warmup):
         train_step(model, optim, *batch(setting, step, world.rank, world.device, timing=True))
+    return model, optim
+
+
+def peak_bytes(world: World, fully_shard, policies: dict) -> int | None:
+    """Bytes allocated at the peak of one step (CUDA), the model alone on the device."""
+    gc.collect()  # the models measured before, and their memory, are gone
+    if world.device.type != "cuda":
+        return None
+    torch.cuda.empty_cache()
+    model, optim = trained(world, fully_shard, policies)
     world.synchronize()
-    if world.device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    times = []
-    for step in range(setting.timed_steps):
-        start = time.perf_counter()
-        train_step(model, optim, *batch(setting, step, world.rank, world.device, timing=True))
-        world.synchronize()
-        times.append(time.perf_counter() - start)
-    peak = torch.cuda.max_memory_allocated() if world.device.type == "cuda" else None
-    return statistics.median(times), peak
+    torch.cuda.reset_peak_memory_stats()
+    train_step(model, optim, *batch(world.setting, 0, world.rank, world.device, timing=True))
+    return torch.cuda.max_memory_allocated()
 
 
-def exposed_communication(trace: Path, steps: int) -> tuple[float, float]:
+def step_seconds(world: World, runs: dict[str, tuple[nn.Module, Any]]) -> dict[str, float]:
+    """Median seconds of a step of each model, their steps interleaved (the
+    order alternating) so that a machine's drift falls on all alike."""
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for step in range(world.setting.timed_steps):
+        order = list(runs) if step % 2 == 0 else list(reversed(runs))
+        for name in order:
+            model, optim = runs[name]
+            inputs = batch(world.setting, step, world.rank, world.device, timing=True)
+            world.synchronize()
+            start = time.perf_counter()
+            train_step(model, optim, *inputs)
+            world.synchronize()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def exposed_communication(trace: Path, steps: int) -> tuple[float, float, float]:
     """Per step: the device time of communication (kernels and copies launched
     inside a c10d collective's host op: a one-rank NCCL communicator copies
-    rather than runs kernels) and the part of it during which no other kernel
-    ran (µs); NaN without any (a CPU trace)."""
+    rather than runs kernels), the part of it during which no other kernel
+    ran, and the time some other kernel ran (µs); NaN without any (a CPU trace)."""
     events = json.loads(trace.read_text())["traceEvents"]
     collective_ops: dict[Any, list[tuple[float, float]]] = {}
     for e in events:
@@ -482,8 +499,9 @@ def exposed_communication(trace: Path, steps: int) -> tuple[float, float]:
         for c_start, c_end in merged
     )
     if not total:
-        return float("nan"), float("nan")
-    return total / steps, (total - covered) / steps
+        return float("nan"), float("nan"), float("nan")
+    busy = sum(end - start for start, end in merged)
+    return total / steps, (total - covered) / steps, busy / steps
 
 
 def profile(world: World, trace: Path) -> Row:
@@ -491,10 +509,7 @@ def profile(world: World, trace: Path) -> Row:
     from torch.profiler import profile as torch_profile
 
     setting, steps = world.setting, 1 if world.setting.rehearse else 3
-    model = shard(build(setting, world.device, timing=True), fsdp2.fully_shard)
-    optim = torch.optim.SGD(model.parameters(), lr=0.1)
-    for step in range(setting.warmup):
-        train_step(model, optim, *batch(setting, step, world.rank, world.device, timing=True))
+    model, optim = trained(world, fsdp2.fully_shard, fsdp2_policies(True, False))
     activities = [ProfilerActivity.CPU]
     if world.device.type == "cuda":
         activities.append(ProfilerActivity.CUDA)
@@ -502,14 +517,14 @@ def profile(world: World, trace: Path) -> Row:
         for step in range(steps):
             train_step(model, optim, *batch(setting, step, world.rank, world.device, timing=True))
         world.synchronize()
-    name = f"{world.label} comm µs/step, exposed µs/step ({trace.name})"
+    name = f"{world.label} bf16 µs/step: comm, exposed, compute busy ({trace.name})"
     if world.rank != 0:
         return measured(name, "rank 0's")  # only rank 0's rows are kept
     prof.export_chrome_trace(str(trace))
-    total, exposed = exposed_communication(trace, steps)
+    total, exposed, busy = exposed_communication(trace, steps)
     if total != total:  # NaN
         return measured(name, "n/a: no kernels in a CPU trace")
-    return measured(name, f"{total:.0f}, {exposed:.0f}")
+    return measured(name, f"{total:.0f}, {exposed:.0f}, {busy:.0f}")
 
 
 def attempt(world: World, name: str, rows: Callable[..., list[Row]], *args: Any) -> list[Row]:
@@ -559,22 +574,28 @@ def run_world(world: World, trace_dir: Path) -> list[Row]:
 
 
 def timing(world: World, what: str, bf16: bool, offload: bool) -> list[Row]:
-    mine = timed(world, fsdp2.fully_shard, fsdp2_policies(bf16, offload))
-    policies = torch_policies(bf16, offload, pin_memory=world.device.type == "cuda")
-    theirs = timed(world, torch_fully_shard(), policies)
+    """Peak memory of each alone, then step time with both on the device."""
+    pin_memory = world.device.type == "cuda"
+    policies = {
+        "fsdp2": (fsdp2.fully_shard, fsdp2_policies(bf16, offload)),
+        "torch": (torch_fully_shard(), torch_policies(bf16, offload, pin_memory)),
+    }
+    peaks = {name: peak_bytes(world, *how) for name, how in policies.items()}
+    gc.collect()
+    seconds = step_seconds(world, {name: trained(world, *how) for name, how in policies.items()})
     rows = [
         measured(
-            f"{world.label} {what}: step ms, fsdp2 / torch",
-            f"{mine[0] * 1e3:.1f} / {theirs[0] * 1e3:.1f}",
+            f"{world.label} {what}: step ms, fsdp2 / torch (interleaved)",
+            f"{seconds['fsdp2'] * 1e3:.1f} / {seconds['torch'] * 1e3:.1f}",
         )
     ]
-    if mine[1] is None or theirs[1] is None:
+    if peaks["fsdp2"] is None or peaks["torch"] is None:
         rows.append(measured(f"{world.label} {what}: peak MiB", "n/a on CPU"))
     else:
         rows.append(
             measured(
                 f"{world.label} {what}: peak MiB, fsdp2 / torch",
-                f"{mine[1] / 2**20:.1f} / {theirs[1] / 2**20:.1f}",
+                f"{peaks['fsdp2'] / 2**20:.1f} / {peaks['torch'] / 2**20:.1f}",
             )
         )
     return rows
