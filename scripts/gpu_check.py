@@ -128,9 +128,12 @@ class StreamCheck:
             from stream_model import StreamModel
 
             self.model = StreamModel()
-            self.mode: Any = self.model
-        else:
+        self.mode: Any = self.model  # CUDA: the sanitizer, made when first watching
+
+    def _mode(self) -> Any:
+        if self.mode is None:
             self.mode = _sanitizer()
+        return self.mode
 
     def plug(self, model: nn.Module) -> nn.Module:
         """Before the first forward: the model of streams runs fsdp2's streams."""
@@ -142,7 +145,7 @@ class StreamCheck:
     def watching(self) -> Iterator[None]:
         before = len(self.model.violations if self.model is not None else _SANITIZER_REPORTS)
         try:
-            with self.mode:
+            with self._mode():
                 yield
         finally:
             found = self.model.violations if self.model is not None else _SANITIZER_REPORTS
@@ -541,9 +544,12 @@ def attempt(world: World, name: str, rows: Callable[..., list[Row]], *args: Any)
 
 
 def run_world(world: World, trace_dir: Path) -> list[Row]:
+    rows = attempt(world, "collectives' arithmetic", reduction_ops)
+    if not world.setting.parity_only:
+        # Before the sanitizer: its trace callbacks, once made, run on every
+        # allocation and event of the process, and would slow the host.
+        rows += timings_and_profile(world, trace_dir)
     streams = StreamCheck(world.setting)
-    rows = []
-    rows += attempt(world, "collectives' arithmetic", reduction_ops)
     for case in PARITY_CASES:
         rows += attempt(world, case, parity, streams, case)
     checker = "model of streams" if world.setting.rehearse else "CUDA sanitizer"
@@ -558,8 +564,13 @@ def run_world(world: World, trace_dir: Path) -> list[Row]:
     if streams.reports and world.rank == 0:
         reports = trace_dir / f"stream_reports_x{world.size}.txt"
         reports.write_text("\n\n".join(streams.reports))
-    if world.setting.parity_only:
-        return rows
+    if world.size == 1 and not world.setting.parity_only:  # a race must not leave peers waiting
+        rows += attempt(world, "deliberate race", lambda world: [deliberate_race(world)])
+    return rows
+
+
+def timings_and_profile(world: World, trace_dir: Path) -> list[Row]:
+    rows = []
     for what, bf16, offload in (
         ("fp32", False, False),
         ("bf16 (fp32 reduce)", True, False),
@@ -567,10 +578,7 @@ def run_world(world: World, trace_dir: Path) -> list[Row]:
     ):
         rows += attempt(world, f"{what} timing", timing, what, bf16, offload)
     trace = trace_dir / f"gpu_check_trace_x{world.size}.json"
-    rows += attempt(world, "profile", lambda world: [profile(world, trace)])
-    if world.size == 1:  # a race must not leave peers waiting: alone only
-        rows += attempt(world, "deliberate race", lambda world: [deliberate_race(world)])
-    return rows
+    return rows + attempt(world, "profile", lambda world: [profile(world, trace)])
 
 
 def timing(world: World, what: str, bf16: bool, offload: bool) -> list[Row]:
