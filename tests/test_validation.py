@@ -87,6 +87,20 @@ def mesh() -> Iterator[DeviceMesh]:
         yield init_device_mesh("cpu", (WORLD_SIZE,))
 
 
+def test_default_mesh_is_on_the_cpu_when_the_accelerator_is_absent(
+    mesh: DeviceMesh, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A CUDA build of torch on a host without a GPU: the default mesh is a
+    CPU one (the build's accelerator alone would make a CUDA mesh there)."""
+
+    def current_accelerator(check_available: bool = False) -> torch.device | None:
+        return None if check_available else torch.device("cuda")
+
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", current_accelerator)
+    model = fully_shard(MLP())
+    assert {p.device_mesh.device_type for p in model.parameters()} == {"cpu"}
+
+
 def test_not_a_module_raises(mesh: DeviceMesh) -> None:
     with pytest.raises(TypeError, match=r"expects an nn.Module, got Tensor"):
         fully_shard(torch.ones(3), mesh=mesh)  # type: ignore[arg-type]
