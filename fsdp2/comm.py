@@ -93,9 +93,9 @@ class CommContext:
         self._streams: dict[str, torch.Stream] = {}
         self.stats: CommStats | None = None  # set while ``comm_stats`` is open
         # For checks, not users: a world of one rank issues its collectives all
-        # the same (a one-rank NCCL communicator runs its kernels, so one GPU
-        # exercises the streams, events and reduction ops): FSDP2_FORCE_COLLECTIVES=1
-        # in the environment when the context is made (scripts/gpu_check.py).
+        # the same (on a one-rank NCCL communicator, so that one GPU exercises
+        # the streams, events and copy-in stream): FSDP2_FORCE_COLLECTIVES=1 in
+        # the environment when the context is made (scripts/gpu_check.py).
         self.force_collectives = os.environ.get("FSDP2_FORCE_COLLECTIVES", "0") == "1"
         # Accelerators: ``set_post_optim_event``'s event, waited for by the next copy-in.
         self.post_optim_event: torch.Event | None = None

@@ -2,33 +2,41 @@
 
 Made for a machine with ONE GPU (a few minutes in all): at world size 1 the
 engine is told to issue its collectives all the same (``FSDP2_FORCE_COLLECTIVES=1``,
-a switch for checks): NCCL runs its kernels on a one-rank communicator, so the
-comm streams, the events, the copy-in stream, NCCL's ``AVG`` and
-``PREMUL_SUM``, the CPU-offload copies and an HSDP (1, 1) all-reduce execute.
-With 2 GPUs or more it also runs at that world size. Each world:
+a switch for checks), so the comm streams, the events, the copy-in stream,
+NCCL's ``AVG``, the CPU-offload copies and an HSDP (1, 1) all-reduce run (a
+one-rank communicator copies rather than runs kernels). With 2 GPUs or more
+it also runs at that world size. Each world, in this order:
 
-- parity on a small Llama (scripts/llama.py), fp32 and bf16 (``param_dtype``
-  bf16, ``reduce_dtype`` fp32): fsdp2 against torch's ``fully_shard`` and
-  against the unsharded model after a few SGD steps; HSDP with a gradient
-  divide factor (``PREMUL_SUM``) and CPU offload against the unsharded model;
-- the collectives fsdp2 issued (``comm_stats``): none may be skipped;
-- fsdp2's training under torch's CUDA sanitizer (``torch.cuda._sanitizer``,
-  which ``TORCH_CUDA_SANITIZER=1`` turns on for a whole program): its reports
-  of unsynchronized accesses between streams, 0 expected; then a deliberate
-  race (the all-gather's wait skipped), which must be reported;
-- peak memory (``torch.cuda.max_memory_allocated``) and step time against
-  torch's ``fully_shard``, default and CPU offload;
-- from a ``torch.profiler`` trace: communication kernel time per step and
-  the part of it no compute kernel overlaps (exposed).
+- the backend's reductions against the arithmetic (NCCL's one-rank
+  ``PREMUL_SUM``, which fsdp2 does not use, shown apart);
+- step time against torch's ``fully_shard`` (both models on the device,
+  steps interleaved) and peak memory (``torch.cuda.max_memory_allocated``,
+  each alone) on a 0.5 B Llama: fp32, bf16 with fp32 reduction, CPU offload;
+- from a bf16 ``torch.profiler`` trace: communication time per step (what
+  the collectives' host ops launched), the part of it no other kernel
+  overlaps (exposed), and how long other kernels ran;
+- parity on a small Llama (scripts/llama.py) after a few SGD steps, against
+  torch's ``fully_shard`` and the unsharded model: fp32, bf16 (``param_dtype``
+  bf16, ``reduce_dtype`` fp32), activation checkpointing, HSDP averaged and
+  with a divide factor, CPU offload (against the unsharded model only:
+  torch's pins at fully_shard); and the collectives fsdp2 issued
+  (``comm_stats``): none may be skipped;
+- all of that parity training under torch's CUDA sanitizer
+  (``torch.cuda._sanitizer``): its reports of unsynchronized accesses between
+  streams, 0 expected; then a deliberate race (the all-gather's wait
+  skipped), which must be reported. The sanitizer comes last: once made, its
+  callbacks run on every allocation and event of the process.
 
 Then torch's fake process group at world size 8: both run, shards shaped alike.
-One table at the end, also written as JSON under runs/.
+One table at the end, also written as JSON under runs/. On a machine with its
+own torch and no package index: ``make gpu-check PY=python3``.
 
 ``--rehearse`` runs the same code on CPU (gloo for NCCL, world sizes 1 forced
 and 2, a smaller Llama, and tests/stream_model.py's model of streams in place of
 CUDA streams and of the sanitizer), so every line has run before it meets a
 GPU (tests/test_gpu_check.py runs it). Without CUDA and without ``--rehearse``
-it prints one line saying why and exits 0.
+it prints one line saying why and exits 0. ``--parity-only``: the arithmetic
+and parity rows alone.
 """
 
 from __future__ import annotations

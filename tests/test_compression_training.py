@@ -40,6 +40,7 @@ from models import (
     shard_model,
 )
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
 import fsdp2
 from fsdp2 import CompressionPolicy
@@ -351,17 +352,7 @@ def _hsdp(rank: int, world_size: int) -> None:
             }
             if name == "replicate int8":
                 continue  # bytes only: the bound of two int8 roundings is below
-            terms = _local_grads(replica, params, world_size, 0)
-            for pname, p in model.named_parameters():
-                got = p.grad.full_tensor()
-                local = [g[pname] for g in terms]
-                abs_sum = sum(t.abs() for t in local)
-                expected = sum(local) / world_size
-                roundings = 0 if name == "off" else 3
-                bound = roundings * 1.01 * BF16_UNIT_ROUNDOFF * abs_sum / world_size
-                bound = bound + rank_mean_bound(abs_sum, world_size)
-                excess = (got - expected).abs() - bound
-                assert (excess <= 0).all(), f"{pname}: worst excess {excess.max().item():.3e}"
+            _check_bf16_grads(model, replica, params, world_size, 0 if name == "off" else 3)
     with labelled("HSDP bytes"):  # + 64: each slot padded to R pieces for the all-to-all
         off, everywhere = sent["off"], sent["all bf16"]
         assert everywhere["reduce_scatter"] * 2 == off["reduce_scatter"], sent
@@ -370,6 +361,56 @@ def _hsdp(rank: int, world_size: int) -> None:
         assert replicate["reduce_scatter"] == off["reduce_scatter"], sent
         assert replicate["all_reduce"] * 2 <= off["all_reduce"] + 64, sent
         assert sent["replicate int8"]["all_reduce"] <= 0.27 * off["all_reduce"] + 64, sent
+
+
+def _check_bf16_grads(
+    model: nn.Module,
+    replica: nn.Module,
+    params: dict[str, torch.Tensor],
+    world_size: int,
+    roundings: int,
+) -> None:
+    """Every gradient within ``roundings`` bf16 roundings (each at most u S / W,
+    S = sum_k |g_k|) and the fp32 summation bound of the ranks' mean."""
+    terms = _local_grads(replica, params, world_size, 0)
+    for pname, p in model.named_parameters():
+        got = p.grad.full_tensor()
+        local = [g[pname] for g in terms]
+        abs_sum = sum(t.abs() for t in local)
+        expected = sum(local) / world_size
+        bound = roundings * 1.01 * BF16_UNIT_ROUNDOFF * abs_sum / world_size
+        bound = bound + rank_mean_bound(abs_sum, world_size)
+        excess = (got - expected).abs() - bound
+        assert (excess <= 0).all(), f"{pname}: worst excess {excess.max().item():.3e}"
+
+
+def _dp_mesh_dims(rank: int, world_size: int) -> None:
+    """HSDP over named axes of a (dpr, dps) mesh (dp_mesh_dims), parameters
+    already replicated DTensors on it: bf16 gradients within the same bound
+    as native HSDP's (three roundings), uncompressed within the summation
+    bound alone; the DTensor path sends half the reduce-scatter bytes too."""
+    mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("dpr", "dps"))
+    dims = fsdp2.DataParallelMeshDims(shard="dps", replicate="dpr")
+    replicated = [Replicate(), Replicate()]
+    sent = {}
+    policies = {"off": CompressionPolicy(), "all bf16": CompressionPolicy(gradients="bf16")}
+    for name, policy in policies.items():
+        with labelled(f"dp_mesh_dims, {name}"):
+            model = build_model(KIND)
+            for module in model.modules():
+                for pname, p in list(module.named_parameters(recurse=False)):
+                    dtensor = distribute_tensor(p.detach(), mesh, replicated)
+                    setattr(module, pname, nn.Parameter(dtensor))
+            shard_model(model, mesh=mesh, dp_mesh_dims=dims, compression=policy)
+            with fsdp2.comm_stats(model) as stats:
+                params = full_params(model)
+                batch = local_batch(global_batch(KIND, 0), rank, world_size)
+                inputs, targets = (DTensor.from_local(t, mesh, replicated) for t in batch)
+                mean_loss(model, inputs, targets).backward()
+            sent[name] = sum(g.of("reduce_scatter").bytes for g in stats.steps[-1].values())
+            roundings = 0 if name == "off" else 3
+            _check_bf16_grads(model, build_model(KIND), params, world_size, roundings)
+    assert sent["all bf16"] * 2 == sent["off"], sent
 
 
 def _tensor_parallel(rank: int, world_size: int) -> None:
@@ -410,10 +451,13 @@ def _tensor_parallel(rank: int, world_size: int) -> None:
 def _four_ranks(rank: int, world_size: int) -> None:
     with labelled("HSDP"):
         _hsdp(rank, world_size)
+    with labelled("HSDP over dp_mesh_dims"):
+        _dp_mesh_dims(rank, world_size)
     with labelled("FSDP over TP"):
         _tensor_parallel(rank, world_size)
 
 
 def test_hsdp_and_tensor_parallel(tmp_path: Path) -> None:
-    """HSDP: compressing everywhere, or only across replicas; FSDP over TP."""
+    """HSDP: compressing everywhere, or only across replicas; HSDP over
+    dp_mesh_dims axes; FSDP over TP."""
     run_ranks(_four_ranks, 4, tmp_path)

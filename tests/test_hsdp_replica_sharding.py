@@ -320,13 +320,20 @@ DIMS_8 = (17, 40, 48, 3)
 
 
 def _parity_8(rank: int, world_size: int) -> None:
-    for shape in ((2, 4), (4, 2)):
-        with labelled(f"mesh {shape}"):
+    # reshard_after_forward=2 on 2 x 4: after forward each block keeps a shard
+    # over pairs of its shard group, which backward all-gathers from.
+    for shape, reshard in (((2, 4), True), ((2, 4), 2), ((4, 2), True)):
+        with labelled(f"mesh {shape}, reshard_after_forward={reshard}"):
             mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
             torch.manual_seed(0)
             ref = MLP(DIMS_8)
             torch.manual_seed(0)
-            model = shard_model(MLP(DIMS_8), mesh=mesh, shard_optimizer_over_replicas=True)
+            model = shard_model(
+                MLP(DIMS_8),
+                mesh=mesh,
+                shard_optimizer_over_replicas=True,
+                reshard_after_forward=reshard,
+            )
             optims = make_optimizer(ref), make_optimizer(model)
             for step in range(2):
                 for i, seed in enumerate((2 * step, 2 * step + 1)):
@@ -352,7 +359,8 @@ def _parity_8(rank: int, world_size: int) -> None:
 
 @pytest.mark.distributed
 def test_parity_8_ranks(tmp_path: Path) -> None:
-    """2 x 4 and 4 x 2 (uneven: a 3-row dim, empty on a shard rank), two steps of two micro-batches,
+    """2 x 4 (also with reshard_after_forward=2) and 4 x 2 (uneven: a 3-row dim,
+    empty on a shard rank), two steps of two micro-batches,
     the first deferring the reduction across replicas: losses and every
     parameter's full_tensor() equal the unsharded reference's within REF_TOL."""
     run_ranks(_parity_8, 8, tmp_path)
