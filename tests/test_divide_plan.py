@@ -310,3 +310,20 @@ def test_unused_params_zeros_need_no_cast_copy() -> None:
     assert not [shape for shape in casts if shape in unsharded], casts
     grads = [p.grad for p in model.parameters()]
     assert all(g is not None and g.dtype == torch.float32 for g in grads)
+
+
+def test_premul_sum_before_torch_2_13(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch before 2.13 (the GPU machine's 2.11): ``ReduceOp.PREMUL_SUM`` is a
+    plain member, not callable; the op then comes from ``_make_nccl_premul_sum``,
+    with the same factor."""
+    from fsdp2.private_api import premul_sum
+
+    class ReduceOpBefore213:
+        PREMUL_SUM = "PREMUL_SUM"  # a member: calling it would raise
+
+    make = dist._make_nccl_premul_sum  # type: ignore[attr-defined]
+    monkeypatch.setattr(dist, "ReduceOp", ReduceOpBefore213)
+    op = premul_sum(0.25)
+    monkeypatch.undo()
+    assert _op(op) == _op(make(0.25)) == ("PREMUL_SUM", 0.25)
+    assert _op(premul_sum(0.25)) == ("PREMUL_SUM", 0.25)  # 2.13's public constructor
