@@ -17,9 +17,10 @@ it also runs at that world size. Each world, in this order:
   overlaps (exposed), and how long other kernels ran;
 - parity on a small Llama (scripts/llama.py) after a few SGD steps, against
   torch's ``fully_shard`` and the unsharded model: fp32, bf16 (``param_dtype``
-  bf16, ``reduce_dtype`` fp32), activation checkpointing, HSDP averaged and
-  with a divide factor, CPU offload (against the unsharded model only:
-  torch's pins at fully_shard); and the collectives fsdp2 issued
+  bf16, ``reduce_dtype`` fp32), activation checkpointing, blocks compiled
+  (inductor; eager in the rehearsal), HSDP averaged and with a divide factor,
+  CPU offload and int8 compression (against the unsharded model only); and
+  the collectives fsdp2 issued
   (``comm_stats``): none may be skipped;
 - all of that parity training under torch's CUDA sanitizer
   (``torch.cuda._sanitizer``): its reports of unsynchronized accesses between
@@ -96,11 +97,13 @@ class Setting(NamedTuple):
     timed_steps: int
     warmup: int
     parity_only: bool = False  # the arithmetic and parity rows only (a quick rerun)
+    compile_backend: str = "inductor"  # "compiled": the rehearsal's is "eager" (no C++ builds)
 
     @classmethod
     def make(cls, rehearse: bool, parity_only: bool = False) -> Setting:
         if rehearse:
             setting = cls(True, "cpu", "gloo", REHEARSAL_CONFIG, REHEARSAL_CONFIG, 2, 8, 2, 2, 1)
+            setting = setting._replace(compile_backend="eager")
         else:
             setting = cls(False, "cuda", "nccl", GPU_CONFIG, GPU_TIMING_CONFIG, 8, 128, 3, 10, 3)
         return setting._replace(parity_only=parity_only)
@@ -288,7 +291,16 @@ class World(NamedTuple):
         return torch.cat([i for i, _ in everyone]), torch.cat([t for _, t in everyone])
 
 
-PARITY_CASES = ("fp32", "bf16", "checkpointed", "HSDP", "HSDP, divide factor", "CPU offload")
+PARITY_CASES = (
+    "fp32",
+    "bf16",
+    "checkpointed",
+    "compiled",
+    "HSDP",
+    "HSDP, divide factor",
+    "CPU offload",
+    "int8 compression",
+)
 
 
 def reduction_ops(world: World) -> list[Row]:
@@ -336,15 +348,19 @@ def parity(world: World, streams: StreamCheck, case: str) -> list[Row]:
     """fsdp2 and torch's fully_shard (not with CPU offload) from equal
     parameters, and the unsharded reference on every rank's batch (DDP
     math), after a few SGD steps. "checkpointed": activation checkpointing's
-    recompute in backward; "HSDP": mesh (replicas, 1), averaged (AVG on
-    NCCL); "HSDP, divide factor": a divide factor of twice the world
-    (PREMUL_SUM on NCCL over 2 ranks or more, divided before over one; the
-    reference's loss halved); "CPU offload": the offload copies."""
+    recompute in backward; "compiled": every block compiled after sharding
+    (all three models); "HSDP": mesh (replicas, 1), averaged (AVG on NCCL);
+    "HSDP, divide factor": a divide factor of twice the world (PREMUL_SUM on
+    NCCL over 2 ranks or more, divided before over one; the reference's loss
+    halved); "CPU offload": the offload copies; "int8 compression": weights
+    and gradients quantized on the wire (near the reference, not equal)."""
     setting, device, size = world.setting, world.device, world.size
     bf16, offload, hsdp = case == "bf16", case == "CPU offload", case.startswith("HSDP")
     factor = 2.0 * size if case.endswith("divide factor") else None
-    checkpointed = case == "checkpointed"
+    checkpointed, compressed = case == "checkpointed", case == "int8 compression"
     mine_kwargs, torch_kwargs = fsdp2_policies(bf16, offload), torch_policies(bf16, False)
+    if compressed:
+        mine_kwargs["compression"] = fsdp2.CompressionPolicy(weights="int8", gradients="int8")
     if hsdp:
         mesh_shape, names = (size, 1), ("replicate", "shard")
         mesh = dist.device_mesh.init_device_mesh(
@@ -354,8 +370,12 @@ def parity(world: World, streams: StreamCheck, case: str) -> list[Row]:
     built = [build(setting, device, checkpointed=checkpointed) for _ in range(3)]
     mine = streams.plug(shard(built[0], fsdp2.fully_shard, **mine_kwargs))
     models = {"fsdp2": mine, "reference": built[1]}
-    if not offload:
+    if not offload and not compressed:
         models["torch"] = shard(built[2], torch_fully_shard(), **torch_kwargs)
+    if case == "compiled":
+        for model in models.values():
+            for block in model.layers:
+                block.compile(backend=setting.compile_backend)
     if factor is not None:
         for name in ("fsdp2", "torch"):
             for module in models[name].modules():
@@ -385,7 +405,7 @@ def parity(world: World, streams: StreamCheck, case: str) -> list[Row]:
         param_diff = max_param_diff(mine, models[other])
         name = f"{world.label} {case}: loss / param diff vs {what}"
         value = f"{loss_diff:.2g} / {param_diff:.2g}"
-        if case == "bf16":
+        if bf16 or compressed:
             rows.append(measured(name, value))
         else:
             rows.append(check(name, value, max(loss_diff, param_diff) < FP32_TOL))
