@@ -118,3 +118,40 @@ def test_rehearsal_runs_every_check(tmp_path: Path) -> None:
     race = rows["x1 forced deliberate race (all-gather wait skipped): reports"]
     assert race["verdict"] == "ok" and int(race["value"]) > 0, race
     assert "CUDA sanitizer" in rows and "table:" in done.stdout
+
+
+def test_exposed_communication_from_a_trace(tmp_path: Path) -> None:
+    """The profile row's arithmetic on a made-up trace: device work counts as
+    communication when its launch falls inside a c10d collective's host op
+    (a one-rank copy as much as an NCCL kernel); the part no other kernel
+    overlaps is exposed."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+
+    def launch(ts: float, correlation: int) -> dict:
+        args = {"correlation": correlation}
+        return {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "tid": 1, "ts": ts, "args": args}
+
+    def device(cat: str, ts: float, dur: float, correlation: int) -> dict:
+        args = {"correlation": correlation, "stream": 7}
+        return {"cat": cat, "name": cat, "ts": ts, "dur": dur, "args": args}
+
+    events = [
+        {"cat": "cpu_op", "name": "c10d::_reduce_scatter_base_", "tid": 1, "ts": 0, "dur": 10},
+        launch(5, 1),  # inside the collective's host op: communication
+        launch(20, 2),  # outside: compute
+        launch(30, 3),
+        device("gpu_memcpy", 100, 40, 1),  # 100..140
+        device("kernel", 120, 10, 2),  # covers 120..130 of it
+        device("kernel", 200, 50, 3),  # after it
+    ]
+    trace = tmp_path / "trace.json"
+    trace.write_text(json.dumps({"traceEvents": events}))
+    total, exposed, busy = gpu_check.exposed_communication(trace, steps=2)
+    assert (total, exposed, busy) == (20.0, 15.0, 30.0)
+    trace.write_text(json.dumps({"traceEvents": events[1:]}))  # no collective: a CPU trace
+    assert all(x != x for x in gpu_check.exposed_communication(trace, steps=2))
