@@ -367,11 +367,16 @@ def parity(world: World, streams: StreamCheck, case: str) -> list[Row]:
             setting.device_type, mesh_shape, mesh_dim_names=names
         )
         mine_kwargs["mesh"] = torch_kwargs["mesh"] = mesh
-    built = [build(setting, device, checkpointed=checkpointed) for _ in range(3)]
-    mine = streams.plug(shard(built[0], fsdp2.fully_shard, **mine_kwargs))
-    models = {"fsdp2": mine, "reference": built[1]}
+    mine = shard(
+        build(setting, device, checkpointed=checkpointed), fsdp2.fully_shard, **mine_kwargs
+    )
+    models = {
+        "fsdp2": streams.plug(mine),
+        "reference": build(setting, device, checkpointed=checkpointed),
+    }
     if not offload and not compressed:
-        models["torch"] = shard(built[2], torch_fully_shard(), **torch_kwargs)
+        theirs = build(setting, device, checkpointed=checkpointed)
+        models["torch"] = shard(theirs, torch_fully_shard(), **torch_kwargs)
     if case == "compiled":
         for model in models.values():
             for block in model.layers:
