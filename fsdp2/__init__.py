@@ -4,12 +4,11 @@ The public API mirrors ``torch.distributed.fsdp.fully_shard``.
 """
 
 from .clip import clip_grad_norm_
-from .compression import CompressionPolicy
 from .custom_comm import AllGather, Comm, ReduceScatter
 from .fully_shard import fully_shard
 from .mesh import DataParallelMeshDims, ShardPlacementResult
 from .module import FSDPModule, UnshardHandle, register_fsdp_forward_method, share_comm_ctx
-from .policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from .policy import CompressionPolicy, CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from .stats import CommStats
 from .summary import GroupSummary, comm_stats, summary
 

@@ -2,8 +2,10 @@
 
 [Note: two devices, one protocol]
 Every collective is *issued* by :meth:`CommContext.issue` and *waited* by
-:meth:`InFlight.wait`; nothing else in the engine knows which kind of device
-it runs on.
+:meth:`InFlight.wait`; the engine reaches streams and events through these
+two and the copy-in stream (``CommContext.copy_in``), and checks
+``uses_streams`` only where accelerators may do more (start a reduction
+early, copy gradients to the host without blocking).
 
 - CPU (gloo): the collective is issued with ``async_op=True`` and runs on
   gloo's worker thread while the Python thread goes on computing; ``wait()``
@@ -23,7 +25,6 @@ safe, so no ``record_stream`` is needed.
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from collections.abc import Callable, Iterator
 from typing import NamedTuple
@@ -36,6 +37,27 @@ from .offload import HostGradCopies
 from .primitives import Waitable
 from .private_api import profiled
 from .stats import CollectiveStats, CommStats
+
+
+class CommKind(NamedTuple):
+    """What a collective is: its ``comm_stats`` bucket (stats.py's ``KINDS``,
+    also its name in messages) and the comm stream it runs on (accelerators)."""
+
+    stats: str
+    stream: str
+
+    @property
+    def label(self) -> str:
+        return self.stats.replace("_", "-")
+
+
+ALL_GATHER = CommKind("all_gather", "all_gather")
+REDUCE_SCATTER = CommKind("reduce_scatter", "reduce_scatter")
+ALL_REDUCE = CommKind("all_reduce", "all_reduce")
+# shard_optimizer_over_replicas: across the replicas, on the streams of the
+# all-gather and of the all-reduce that plain HSDP runs there.
+REPLICA_ALL_GATHER = CommKind("replica_all_gather", "all_gather")
+REPLICA_REDUCE_SCATTER = CommKind("replica_reduce_scatter", "all_reduce")
 
 
 class InFlight(NamedTuple):
@@ -92,11 +114,6 @@ class CommContext:
         self.ops: DeviceOps | None = DeviceOps(device) if device.type != "cpu" else None
         self._streams: dict[str, torch.Stream] = {}
         self.stats: CommStats | None = None  # set while ``comm_stats`` is open
-        # For checks, not users: a world of one rank issues its collectives all
-        # the same (on a one-rank NCCL communicator, so that one GPU exercises
-        # the streams, events and copy-in stream): FSDP2_FORCE_COLLECTIVES=1 in
-        # the environment when the context is made (scripts/gpu_check.py).
-        self.force_collectives = os.environ.get("FSDP2_FORCE_COLLECTIVES", "0") == "1"
         # Accelerators: ``set_post_optim_event``'s event, waited for by the next copy-in.
         self.post_optim_event: torch.Event | None = None
         # Accelerators, see [Note: the copy-in stream]: whether the copy-in stream
@@ -120,8 +137,8 @@ class CommContext:
         return self.ops is not None
 
     def use_device_ops(self, ops: DeviceOps | None) -> None:
-        """Runs the streams and events through ``ops`` from now on (tests: a
-        model of streams on CPU ranks), or none (CPU)."""
+        """Runs the streams and events through ``ops`` from now on, or none
+        (CPU): see check_switches.py."""
         self.ops = ops
         self._streams.clear()
 
@@ -132,30 +149,27 @@ class CommContext:
 
     def issue(
         self,
-        kind: str,
+        kind: CommKind,
         group_name: str,
         nbytes: int,
         collective: Callable[[bool], Waitable | None],
         after: tuple[InFlight, ...] = (),
-        stream: str | None = None,
     ) -> InFlight:
-        """Runs ``collective(async_op)``: on the comm stream of ``kind``
-        ("all_gather", "reduce_scatter" or "all_reduce"; ``stream`` names
-        another kind's for a kind of its own, e.g. "replica_all_gather") on
+        """Runs ``collective(async_op)``: on the comm stream of ``kind`` on
         accelerators, asynchronously on CPU. ``nbytes`` (of the full buffer) is
         for the statistics. ``after``: accelerators, collectives in flight whose
         output this one reads (ordered after their events)."""
-        label = f"{kind.replace('_', '-')} of {group_name!r}"
+        label = f"{kind.label} of {group_name!r}"
         stats = None
         if self.stats is not None:
-            stats = self.stats.record(group_name, kind)
+            stats = self.stats.record(group_name, kind.stats)
             stats.count += 1
             stats.bytes += nbytes
-        with profiled(kind, group_name):
+        with profiled(kind.stats, group_name):
             ops = self.ops
             if ops is None:
                 return InFlight(collective(True), None, None, label, stats)
-            comm_stream = self._stream(ops, stream or kind)
+            comm_stream = self._stream(ops, kind.stream)
             # The copy-in ran on the current stream.
             comm_stream.wait_stream(ops.current_stream())
             for earlier in after:

@@ -67,9 +67,6 @@ class MeshInfo:
     # dp_mesh_dims: the full mesh the parameters live on, and which of its axes
     # are the data-parallel ones this info describes (see mesh.py).
     spmd: "SpmdAxes | None" = None
-    # HSDP, shard_optimizer_over_replicas: the sharded parameters split again
-    # across the replicas (see [Note: sharded over replicas] in replica.py).
-    shard_over_replicas: bool = False
 
     @classmethod
     def from_mesh(cls, mesh: DeviceMesh) -> "MeshInfo":
@@ -128,7 +125,7 @@ def chunk_rows(dim0: int, world_size: int) -> int:
     return math.ceil(dim0 / world_size) if dim0 > 0 else 0
 
 
-def _chunk_sizes(rows: int, chunks: int) -> list[int]:
+def chunk_sizes(rows: int, chunks: int) -> list[int]:
     """Rows of each of ``chunks`` chunks under ``torch.chunk`` (0 past the last)."""
     size = chunk_rows(rows, chunks)
     return [max(0, min(size, rows - i * size)) for i in range(chunks)]
@@ -141,10 +138,10 @@ def strided_layout_matches(rows: int, replicas: int, shards: int) -> bool:
     DTensor splits into ``shards`` chunks, each into ``replicas``, joins the
     r-th pieces of all chunks and chunks that over ``shards`` again: the same
     rows exactly when each join re-chunks into its own pieces."""
-    pieces = [_chunk_sizes(n, replicas) for n in _chunk_sizes(rows, shards)]
+    pieces = [chunk_sizes(n, replicas) for n in chunk_sizes(rows, shards)]
     for r in range(replicas):
         mine = [pieces[s][r] for s in range(shards)]
-        if _chunk_sizes(sum(mine), shards) != mine:
+        if chunk_sizes(sum(mine), shards) != mine:
             return False
     return True
 

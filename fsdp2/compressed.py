@@ -12,7 +12,7 @@
   mixes parameters), then each replica's fp32 sum compressed again and
   all-gathered: two roundings, each a bf16 or int8 half step.
 
-Wire formats: [Note: wire formats] in compression.py.
+Wire formats: [Note: wire formats] in wire.py.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from typing import NamedTuple
 
 import torch
 
-from .compression import (
+from .primitives import Collectives, JoinedWork
+from .wire import (
     dequantize_blockwise,
     dequantize_rows,
     quantize_rows,
@@ -29,7 +30,6 @@ from .compression import (
     slot_ranges,
     split_wire,
 )
-from .primitives import Collectives, JoinedWork
 
 
 class Int8Rows(NamedTuple):

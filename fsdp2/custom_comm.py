@@ -9,6 +9,10 @@ object instead of ``all_gather_single`` / ``reduce_scatter_single`` (with
 the all-gather / reduce-scatter stream on accelerators). Any object with these
 two methods works, subclasses of torch's own ``AllGather`` / ``ReduceScatter``
 included.
+
+A custom collective takes the place of fsdp2's in the ``Collectives`` a
+variant holds (``WithCustomAllGather``, ``WithCustomReduceScatter``): the
+variant (comms.py) does not know it is there.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
+
+from .primitives import Collectives, ReduceOp, Waitable
 
 
 class Comm(ABC):
@@ -54,7 +60,7 @@ class ReduceScatter(Comm):
         """Reduces ``input_tensor`` over the ranks with ``op`` and leaves this
         rank's block in ``output_tensor``. fsdp2 passes ``ReduceOp.SUM``, or on
         NCCL ``AVG`` / ``PREMUL_SUM`` as torch's fully_shard does (see
-        ``collectives.divide_plan``)."""
+        divide.py)."""
 
 
 def check_custom_collective(collective: object, method: str) -> None:
@@ -66,10 +72,59 @@ def check_custom_collective(collective: object, method: str) -> None:
         )
 
 
-def allocate(
-    custom: Comm | None, numel: int, dtype: torch.dtype, device: torch.device
-) -> torch.Tensor:
-    """A flat buffer, from the custom collective ``custom`` if one is set."""
-    if custom is None:
-        return torch.empty(numel, dtype=dtype, device=device)
-    return custom.allocate((numel,), dtype=dtype, device=device)
+class WithCustomAllGather(Collectives):
+    """``base``'s collectives, with the user's all-gather and its buffers."""
+
+    def __init__(self, base: Collectives, comm: AllGather) -> None:
+        super().__init__(base.process_group, base.backend)
+        self.base = base
+        self.comm = comm
+
+    def allocate(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return self.comm.allocate((numel,), dtype=dtype, device=device)
+
+    def all_gather(
+        self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False
+    ) -> Waitable | None:
+        return self.comm(output, input, group=self.process_group, async_op=async_op)
+
+    def reduce_scatter(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        op: ReduceOp = dist.ReduceOp.SUM,
+        async_op: bool = False,
+    ) -> Waitable | None:
+        return self.base.reduce_scatter(output, input, op, async_op)
+
+
+class WithCustomReduceScatter(Collectives):
+    """``base``'s collectives, with the user's reduce-scatter and its buffers."""
+
+    def __init__(self, base: Collectives, comm: ReduceScatter) -> None:
+        super().__init__(base.process_group, base.backend)
+        self.base = base
+        self.comm = comm
+
+    def allocate(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return self.comm.allocate((numel,), dtype=dtype, device=device)
+
+    def all_gather(
+        self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False
+    ) -> Waitable | None:
+        return self.base.all_gather(output, input, async_op)
+
+    def reduce_scatter(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        op: ReduceOp = dist.ReduceOp.SUM,
+        async_op: bool = False,
+    ) -> Waitable | None:
+        return self.comm(
+            output_tensor=output,
+            input_tensor=input,
+            group=self.process_group,
+            op=op,
+            async_op=async_op,
+        )

@@ -172,10 +172,3 @@ class AllGatherExtension:
     def free(self) -> None:
         for t in (*self._outputs, *self._inner_tensors):
             _resize_storage(t, 0)
-
-    @property
-    def storage_bytes(self) -> int:
-        """Held by the outputs and inner tensors, each storage once (0 when resharded)."""
-        tensors = (*self._outputs, *self._inner_tensors)
-        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().size() for t in tensors}
-        return sum(storages.values())

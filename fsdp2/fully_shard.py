@@ -3,7 +3,6 @@ that makes each module an ``FSDPModule`` (whose methods are in module.py)."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any, Protocol, cast, overload
@@ -11,40 +10,23 @@ from typing import Any, Protocol, cast, overload
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
 
-from .checks import mark_ignored
-from .common import MeshInfo, ShardedState, device_from_mesh, post_forward_mesh_info
-from .compression import CompressionPolicy
-from .mesh import DataParallelMeshDims, MeshInfos, ShardPlacementResult, spmd_mesh_info
+from .arguments import ParamPlan, PlacementFn, resolve_call
+from .common import ShardedState
+from .markers import SHARDED_AS
+from .mesh import DataParallelMeshDims
+from .mistakes import mark_ignored
 from .module import FSDPModule
 from .param import FSDPParam, Registration
 from .param_group import FSDPParamGroup
-from .policy import MixedPrecisionPolicy, OffloadPolicy
+from .policy import CompressionPolicy, MixedPrecisionPolicy, OffloadPolicy
 from .private_api import in_backward, mark_composable_api, module_parameters
 from .state import FSDPState, get_fsdp_state
 from .state_dict import register_state_dict_hooks
-from .validate import (
-    SHARDED_AS,
-    check_all_gather_extension,
-    check_compression,
-    check_mesh_spans_world,
-    check_min_numel_to_shard,
-    check_module,
-    check_param_over_replicas,
-    check_params,
-    check_policies,
-    check_reshard_after_forward,
-    check_shard_over_replicas_mesh,
-    resolve_mesh,
-    shard_placements,
-)
 
 # Generated FSDP<Name> classes, one per original class, so that type checks
 # see one class however many modules of that class are sharded.
 _FSDP_CLASSES: dict[type, type] = {}
-
-PlacementFn = Callable[[nn.Parameter], Shard | ShardPlacementResult | None]
 
 
 class FullyShard(Protocol):
@@ -192,79 +174,49 @@ def fully_shard(
     Returns:
         The same module, now an ``FSDPModule`` (or the same list of them).
     """
-    modules = _module_list(module)
-    mesh = resolve_mesh(mesh, full_spmd_mesh=dp_mesh_dims is not None)
-    check_policies(mp_policy, offload_policy)
-    if shard_optimizer_over_replicas:
-        check_shard_over_replicas_mesh(mesh, dp_mesh_dims)
-    if dp_mesh_dims is None:
-        mesh_info = MeshInfo.from_mesh(mesh)
-        if shard_optimizer_over_replicas:
-            mesh_info = dataclasses.replace(mesh_info, shard_over_replicas=True)
-    else:
-        mesh_info = spmd_mesh_info(mesh, dp_mesh_dims)
-        if not isinstance(reshard_after_forward, bool | None):
-            raise NotImplementedError(
-                f"reshard_after_forward={reshard_after_forward} (an int) is not supported with "
-                "dp_mesh_dims: pass True or False."
-            )
-    check_compression(compression, mesh_info)
-    resharding = _resolve_reshard_after_forward(reshard_after_forward, mesh_info)[0]
-    device = device_from_mesh(mesh)
-    ignored = set(ignored_params or ())
-    named_params = [(fqn, p) for fqn, p in _unowned_params(modules) if p not in ignored]
-    _check_no_param_shared_with_nested_group(modules)
-    check_params(named_params, mesh, device, mp_policy, mesh_info.spmd)
-    placements = shard_placements(named_params, shard_placement_fn, MeshInfos(mesh_info), device)
-    check_min_numel_to_shard(min_numel_to_shard)
-    # After forward: per mesh, resharding (or not) and the smaller group to reshard to.
-    post_forward = {
-        id(info): _resolve_reshard_after_forward(reshard_after_forward, info)
-        for info in {id(info): info for _, info in placements}.values()
-    }
-    extended = [
-        check_all_gather_extension(
-            fqn, param, dim, reshard_after_forward if post_forward[id(info)][1] else None
-        )
-        for (fqn, param), (dim, info) in zip(named_params, placements, strict=True)
-    ]
-    if shard_optimizer_over_replicas:
-        for (fqn, param), (dim, info), extends in zip(
-            named_params, placements, extended, strict=True
-        ):
-            if extends or _local_numel(param) >= min_numel_to_shard:
-                check_param_over_replicas(fqn, param, dim, info, mesh_info, extends)
-
-    mark_ignored(ignored)  # plain on purpose: not "a root left unsharded" (checks.py)
-    state = FSDPState(modules, mesh_info, device, resharding, mp_policy)
-    for nested in _nested_states(modules):
+    call = resolve_call(
+        module,
+        mesh=mesh,
+        reshard_after_forward=reshard_after_forward,
+        mp_policy=mp_policy,
+        ignored_params=ignored_params,
+        offload_policy=offload_policy,
+        shard_placement_fn=shard_placement_fn,
+        dp_mesh_dims=dp_mesh_dims,
+        min_numel_to_shard=min_numel_to_shard,
+        compression=compression,
+        shard_optimizer_over_replicas=shard_optimizer_over_replicas,
+    )
+    modules = call.modules
+    mark_ignored(call.ignored)  # plain on purpose: not "a root left unsharded" (mistakes.py)
+    state = FSDPState(
+        modules, call.mesh_info, call.device, call.reshard_after_forward, call.mp_policy
+    )
+    for nested in call.nested_states:
         if nested.parent is None:
             nested.parent = state
-    if named_params:
-        registrations = _registrations(modules, named_params)
-        by_mesh: dict[int, list[FSDPParam]] = {}  # [Note: groups of one call]
-        for (fqn, param), (dim, info), extends in zip(
-            named_params, placements, extended, strict=True
-        ):
-            by_mesh.setdefault(id(info), []).append(
+    if call.params:
+        registrations = _registrations(modules, call.params)
+        # One group per mesh the call's parameters are sharded over, the call's own first.
+        by_mesh: dict[int, list[FSDPParam]] = {}
+        for plan in call.params:
+            by_mesh.setdefault(id(plan.mesh_info), []).append(
                 FSDPParam(
-                    param,
-                    fqn,
-                    registrations[id(param)],
-                    info,
-                    device,
-                    mp_policy,
-                    offload_policy,
-                    shard_dim=dim,
-                    # A subclass that all-gathers itself is always sharded.
-                    replicated=not extends and _local_numel(param) < min_numel_to_shard,
+                    plan.param,
+                    plan.fqn,
+                    registrations[id(plan.param)],
+                    plan.layout,
+                    plan.mesh_info,
+                    call.device,
+                    call.mp_policy,
+                    call.offload_policy,
                     ops=state.root_ctx.comm.ops,
                 )
             )
-        _mark_sharded(modules, named_params)
+            plan.param.__dict__[SHARDED_AS] = plan.sharded_as
         for fsdp_params in by_mesh.values():
             info = fsdp_params[0].mesh_info
-            reshard, small_group = post_forward[id(info)]
+            reshard, small_group = call.post_forward[id(info)]
             group = FSDPParamGroup(
                 fsdp_params,
                 modules,
@@ -272,7 +224,7 @@ def fully_shard(
                 state.root_ctx,
                 reshard_after_forward=reshard is not False,
                 post_forward_mesh_info=small_group,
-                compression=compression,
+                settings=call.comm_settings,
             )
             state.param_groups.append(group)
             for member in modules:
@@ -284,178 +236,17 @@ def fully_shard(
     return module  # type: ignore[return-value]
 
 
-def _resolve_reshard_after_forward(
-    value: bool | int | None, mesh_info: MeshInfo
-) -> tuple[bool | None, MeshInfo | None]:
-    """Maps the argument to (bool or None, the small group's MeshInfo for an int)
-    on one of the call's meshes."""
-    check_reshard_after_forward(value, mesh_info.shard_world_size)
-    if value is None or isinstance(value, bool):
-        return value, None
-    if value == 1:
-        return False, None  # each rank would keep everything: that is not resharding
-    if value == mesh_info.shard_world_size:
-        return True, None
-    check_mesh_spans_world(mesh_info.mesh, value)
-    return True, post_forward_mesh_info(mesh_info.mesh, value)
-
-
-def _local_numel(param: nn.Parameter) -> int:
-    return (param.to_local() if isinstance(param, DTensor) else param).numel()
-
-
-def _module_list(module: nn.Module | list[nn.Module]) -> list[nn.Module]:
-    """The modules of one call, checked: ``[module]``, or the list's modules."""
-    if not isinstance(module, list | tuple):
-        check_module(module)
-        return [module]
-    if not module:
-        raise ValueError(
-            "fully_shard got an empty list. Pass a module, or a list of the modules whose "
-            "parameters should form one group, e.g. fully_shard([model.norm, model.output])."
-        )
-    index: dict[int, int] = {}  # id(module) -> position in the list
-    for i, member in enumerate(module):
-        if not isinstance(member, nn.Module):
-            raise TypeError(
-                f"fully_shard expects a module or a list of modules, but element {i} of the "
-                f"list is a {type(member).__name__}. Put only nn.Modules in the list."
-            )
-        if id(member) in index:
-            raise ValueError(
-                f"fully_shard: the list holds the same {type(member).__name__} twice (elements "
-                f"{index[id(member)]} and {i}). List each module once."
-            )
-        index[id(member)] = i
-    for i, member in enumerate(module):
-        for name, submodule in member.named_modules():
-            if submodule is not member and (j := index.get(id(submodule))) is not None:
-                raise ValueError(
-                    f"fully_shard: element {j} of the list ({type(submodule).__name__}) is "
-                    f"inside element {i} ({type(member).__name__}, as {name!r}), whose "
-                    f"parameters already include it. Remove element {j} from the list."
-                )
-    for i, member in enumerate(module):
-        if "_fsdp_state" in member.__dict__:
-            raise ValueError(
-                f"fully_shard: element {i} of the list ({type(member).__name__}) is already "
-                "sharded by an earlier fully_shard call, and a module belongs to one group. "
-                "Leave it out of the list, or drop the earlier call."
-            )
-        check_module(member)
-    return list(module)
-
-
-def _named_members(modules: list[nn.Module]) -> list[tuple[str, nn.Module]]:
-    """Each module of the call with the prefix of its names in this call: none for a
-    single module, its position in the list (``"1."``) for a list."""
-    if len(modules) == 1:
-        return [("", modules[0])]
-    return [(f"{i}.", member) for i, member in enumerate(modules)]
-
-
-def _module_paths(modules: list[nn.Module]) -> dict[int, str]:
-    """Path, as named in this call, of every submodule of the modules of the call."""
-    return {
-        id(submodule): f"{prefix}{name}".removesuffix(".")
-        for prefix, member in _named_members(modules)
-        for name, submodule in member.named_modules()
-    }
-
-
-def _nested_states(modules: list[nn.Module]) -> list[FSDPState]:
-    """States of earlier calls on submodules, each once (a list's state is on each of its modules)."""
-    states = (
-        get_fsdp_state(submodule)
-        for member in modules
-        for submodule in member.modules()
-        if submodule is not member
-    )
-    return list(dict.fromkeys(state for state in states if state is not None))
-
-
-def _unowned_params(modules: list[nn.Module]) -> list[tuple[str, nn.Parameter]]:
-    """Parameters of ``modules`` outside every nested ``fully_shard``'d module, with
-    their names: what a nested call took or chose to ignore is not ours. A parameter
-    tied between two modules of a list is listed once."""
-    nested = {
-        id(p)
-        for state in _nested_states(modules)
-        for nested_module in state.modules
-        for p in nested_module.parameters()
-    }
-    seen = set()
-    params = []
-    for prefix, member in _named_members(modules):
-        for fqn, p in member.named_parameters():
-            if id(p) not in nested and id(p) not in seen:
-                seen.add(id(p))
-                params.append((prefix + fqn, p))
-    return params
-
-
 def _registrations(
-    modules: list[nn.Module], named_params: list[tuple[str, nn.Parameter]]
+    modules: list[nn.Module], params: list[ParamPlan]
 ) -> dict[int, list[Registration]]:
     """Every ``(submodule, name)`` that holds each parameter, so tied parameters stay tied."""
-    found: dict[int, list[Registration]] = {id(p): [] for _, p in named_params}
+    found: dict[int, list[Registration]] = {id(plan.param): [] for plan in params}
     submodules = dict.fromkeys(m for member in modules for m in member.modules())
     for submodule in submodules:
         for name, param in module_parameters(submodule).items():
             if param is not None and id(param) in found:
                 found[id(param)].append(Registration(submodule, name))
     return found
-
-
-def _mark_sharded(modules: list[nn.Module], named_params: list[tuple[str, nn.Parameter]]) -> None:
-    """Labels each original parameter with where it was sharded (see ``SHARDED_AS``),
-    by its name in the module that holds it (a list's names start with the
-    module's position, see ``_named_members``)."""
-    for fqn, param in named_params:
-        member = modules[0]
-        if len(modules) > 1:
-            index, fqn = fqn.split(".", 1)
-            member = modules[int(index)]
-        param.__dict__[SHARDED_AS] = f"{fqn!r} of {type(member).__name__}"
-
-
-def _check_no_param_shared_with_nested_group(modules: list[nn.Module]) -> None:
-    """A parameter owned by a nested group must not also be registered outside it:
-    that module would compute with the sharded DTensor (tied after sharding) or
-    shard a second copy (tied before sharding, so it still holds the original)."""
-    nested = _nested_states(modules)
-    inside_nested = {
-        id(m)
-        for state in nested
-        for nested_module in state.modules
-        for m in nested_module.modules()
-    }
-    paths = _module_paths(modules)
-    owner_of = {}
-    for state in nested:
-        for fsdp_param in (p for group in state.param_groups for p in group.fsdp_params):
-            first = fsdp_param.registrations[0]
-            owner = fsdp_param.fqn
-            if (path := paths.get(id(first.module))) is not None:
-                owner = f"{path}.{first.name}" if path else first.name
-            owner_of[id(fsdp_param.sharded_param)] = owner
-            if (orig := fsdp_param.orig_param_ref()) is not None:
-                owner_of[id(orig)] = owner
-    for prefix, member in _named_members(modules):
-        for module_name, submodule in member.named_modules():
-            if id(submodule) in inside_nested:
-                continue
-            for name, param in module_parameters(submodule).items():
-                if param is not None and id(param) in owner_of:
-                    where = f"{prefix}{module_name}.{name}" if module_name else f"{prefix}{name}"
-                    raise ValueError(
-                        f"fully_shard: parameter {where!r} is the same Parameter as "
-                        f"{owner_of[id(param)]!r}, which an earlier fully_shard call on a "
-                        "submodule already sharded. A parameter shared by two groups is not "
-                        "supported: untie them, or shard the modules that share it in one call "
-                        "(the common parent, or a list of modules such as "
-                        "fully_shard([model.tok_embeddings, model.output]))."
-                    )
 
 
 def _swap_class(module: nn.Module) -> None:

@@ -1,17 +1,58 @@
-"""Where parameters are sharded: ``dp_mesh_dims`` (the data-parallel axes of a
-full SPMD mesh) and ``shard_placement_fn``'s results, resolved into one
-``MeshInfo`` per mesh (each mesh's parameters form a group of their own)."""
+"""Where parameters are sharded: the mesh passed to ``fully_shard`` (or the
+default one), ``dp_mesh_dims`` (the data-parallel axes of a full SPMD mesh)
+and ``shard_placement_fn``'s results, resolved into one ``MeshInfo`` per mesh
+(each mesh's parameters form a group of their own)."""
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
 
-from torch.distributed.device_mesh import DeviceMesh
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Shard
 
 from .common import MeshInfo, SpmdAxes
 from .private_api import concatenate_meshes, flatten_axes
+
+
+def resolve_mesh(mesh: DeviceMesh | None, full_spmd_mesh: bool = False) -> DeviceMesh:
+    """``mesh`` checked (or the default); with ``dp_mesh_dims`` (``full_spmd_mesh``)
+    it may have any number of axes."""
+    if mesh is None:
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "fully_shard(mesh=None) builds a mesh over the default process group, but "
+                "torch.distributed is not initialised. Call "
+                "torch.distributed.init_process_group() first, or pass mesh=..."
+            )
+        # Runtime check too: a CUDA build on a host without a GPU shards on the CPU.
+        accelerator = torch.accelerator.current_accelerator(check_available=True)
+        device_type = accelerator.type if accelerator is not None else "cpu"
+        return init_device_mesh(device_type, (dist.get_world_size(),))
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(
+            f"fully_shard expects mesh to be a DeviceMesh, got {type(mesh).__name__}. Build "
+            "one with torch.distributed.device_mesh.init_device_mesh(device_type, (world_size,))."
+        )
+    if full_spmd_mesh:
+        return mesh
+    if mesh.ndim not in (1, 2):
+        raise ValueError(
+            f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh}, {mesh.ndim}D with shape "
+            f"{tuple(mesh.shape)}: 1D shards over it (FSDP), 2D replicates over axis 0 and "
+            "shards over axis 1 (HSDP). Pass the data-parallel sub-mesh, e.g. mesh['dp'] or "
+            "mesh['dp_replicate', 'dp_shard']."
+        )
+    if mesh.ndim == 2 and mesh.mesh_dim_names is None:
+        # AssertionError, as torch's fully_shard raises for this.
+        raise AssertionError(
+            "Please init the 2D mesh for HSDP with mesh_dim_names specified, e.g. "
+            "init_device_mesh(device_type, (replicas, shards), mesh_dim_names=('replicate', "
+            "'shard')): the names say which axis replicates and which shards."
+        )
+    return mesh
 
 
 @dataclass(frozen=True)

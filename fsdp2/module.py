@@ -141,7 +141,7 @@ class FSDPModule:
             recurse: apply to every sharded submodule too. (Default: True)
         """
         for group in self._param_groups(recurse):
-            group.requires_all_reduce = requires_all_reduce
+            group.configure(requires_all_reduce=requires_all_reduce)
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Whether the next backward is the last before the optimizer step. If
@@ -162,7 +162,7 @@ class FSDPModule:
         groups in the same order, raising on every rank if not; later iterations
         warn once if a rank deviates from its first. Call it on the root, on every
         rank (``TORCH_DISTRIBUTED_DEBUG=DETAIL`` turns it on too). See
-        [Note: why order matters] in order.py."""
+        [Note: why order matters] in execution_order.py."""
         self._fsdp_state.root_ctx.enable_order_check(enabled)
 
     def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
@@ -310,15 +310,14 @@ class FSDPModule:
         created: dict[tuple[int, ...], Collectives] = {}  # one per set of ranks
         for group in self._param_groups(recurse):
             info = group.mesh_info
-            group.clear_divide_plan()
             if not enable:
-                group.reduce_scatter_collectives = info.shard_collectives
+                group.configure(reduce_scatter_collectives=None)
                 continue
             ranks = tuple(dist.get_process_group_ranks(info.shard_group))
             if ranks not in created:
                 process_group = dist.new_group(list(ranks), use_local_synchronization=True)
                 created[ranks] = collectives_for(process_group, info.mesh.device_type)
-            group.reduce_scatter_collectives = created[ranks]
+            group.configure(reduce_scatter_collectives=created[ranks])
 
     # -- communication --------------------------------------------------------
 
@@ -336,7 +335,7 @@ class FSDPModule:
         custom_comm.py). Not recursive."""
         check_custom_collective(comm, "set_custom_all_gather")
         for group in self._only_group("set_custom_all_gather"):
-            group.custom_all_gather = comm
+            group.configure(custom_all_gather=comm)
 
     def set_custom_reduce_scatter(self, comm: ReduceScatter) -> None:
         """Reduce-scatters this module's gradients with ``comm`` (its ``allocate``
@@ -344,15 +343,7 @@ class FSDPModule:
         custom_comm.py). Not recursive."""
         check_custom_collective(comm, "set_custom_reduce_scatter")
         for group in self._only_group("set_custom_reduce_scatter"):
-            if group.reduce_scatter_wire is not None:
-                raise ValueError(
-                    "set_custom_reduce_scatter is not supported with compressed gradients "
-                    f"(fully_shard(compression=CompressionPolicy(gradients="
-                    f"{group.compression.gradients!r}))): they travel by an all-to-all, not a "
-                    "reduce-scatter. Drop one of the two, or pass across='replicate' (HSDP) "
-                    "to keep the reduce-scatter uncompressed."
-                )
-            group.custom_reduce_scatter = comm
+            group.configure(custom_reduce_scatter=comm)  # refused with compressed gradients
 
     def set_post_optim_event(self, event: torch.Event) -> None:
         """Accelerators: makes the current stream wait for ``event`` (recorded

@@ -1,58 +1,32 @@
-"""FSDPParam: one parameter, sharded on one dim over the data-parallel axis.
+"""FSDPParam: one parameter's life while sharded: its sharded DTensor, the
+unsharded storage it is all-gathered into, where it is registered on
+modules, and its gradients. Where its elements sit is its ``ShardLayout``
+(layout.py, with [Note: the padded layout])."""
 
-[Note: the padded layout]
-A parameter of ``dim0`` rows is cut like ``torch.chunk(param, world_size)``:
-every rank owns ``chunk_rows = ceil(dim0 / world_size)`` rows except the tail,
-which may own fewer or none. The sharded DTensor holds exactly those rows, with
-no padding, so ``full_tensor()`` returns the original bit for bit. Padding lives
-only in communication buffers: in the all-gather buffer and in the
-reduce-scatter buffer every rank's slot for this parameter is
-``chunk_rows * row_numel`` elements, whatever it really owns.
-
-A parameter sharded on a dim ``d > 0`` (``shard_placement_fn``) must split
-evenly. Its slot is this rank's chunk, contiguous, shaped ``(pre, chunk, post)``
-(``pre``/``post``: the products of the sizes before and after ``d``); the
-unsharded parameter seen *rank-major*, ``view(pre, W, chunk, post)`` with the
-first two dims swapped, lines up with the ``(W, slot)`` rows of the buffers.
-
-[Note: FSDP over tensor parallelism]
-A parameter that is already a DTensor on a TP mesh is sharded as above, but
-what is sharded (and all-gathered, and reduce-scattered) is its TP-local
-tensor. The sharded parameter is a DTensor on the mesh that joins the
-data-parallel axes and the TP axes, placed ``(*dp placements, *tp placements)``.
-When both shard the same dim, the data-parallel chunk is a chunk *of the TP
-chunk*: ``_StridedShard(d, split_factor=<TP shards of d>)`` says so, so that
-``full_tensor()``, ``redistribute`` and checkpoints see the right rows. The
-unsharded parameter is a DTensor with the original TP layout again.
-"""
-
-import math
 import weakref
 from typing import NamedTuple
 
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+from torch.distributed.tensor import DTensor
 
-from .common import MeshInfo, SpmdAxes, chunk_rows
+from .common import MeshInfo
 from .device_ops import DeviceOps
 from .extension import AllGatherExtension, uses_all_gather_extension
+from .layout import ShardLayout, TPLayout
+from .markers import SHARDED
 from .offload import HostCopy, copy_to_host
 from .policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from .private_api import (
     DTensorSpec,
-    concatenate_meshes,
     dtensor_from_local_no_grad,
     dtensor_spec,
     local_tensor,
     module_parameters,
     post_accumulate_grad_hooks,
     set_local_tensor,
-    strided_shard,
 )
-from .replica import ReplicaShard
-from .validate import FSDP_SHARDED
 
 
 class Registration(NamedTuple):
@@ -70,21 +44,6 @@ def _contiguous_strides(size: torch.Size) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def _shard_of(data: torch.Tensor, dim: int, world_size: int, rank: int) -> torch.Tensor:
-    """``torch.chunk(data, world_size, dim)[rank]`` (empty past the last chunk)
-    as a new contiguous tensor, so that the full tensor is not kept alive by its
-    shard (and a shard on dim > 0 is laid out as its slot). A tensor subclass
-    is cut and copied through its own ``chunk``, ``new_zeros`` and ``copy_``."""
-    chunks = torch.chunk(data, world_size, dim) if data.size(dim) else (data,)
-    # Past the last chunk: empty, like DTensor's.
-    piece = chunks[rank] if rank < len(chunks) else data.narrow(dim, data.size(dim), 0)
-    if type(data) in (torch.Tensor, nn.Parameter):
-        return piece.clone(memory_format=torch.contiguous_format)
-    local = piece.new_zeros(piece.shape)
-    local.copy_(piece)
-    return local
-
-
 def _shard_axis(mesh: DeviceMesh) -> DeviceMesh:
     """The 1D mesh of the shard axis (the last) of a FSDP or HSDP mesh."""
     if mesh.ndim == 1:
@@ -92,26 +51,6 @@ def _shard_axis(mesh: DeviceMesh) -> DeviceMesh:
     if mesh.mesh_dim_names is None:  # fully_shard refuses a 2D mesh without names
         raise AssertionError(f"an HSDP mesh without axis names: {mesh}")
     return mesh[mesh.mesh_dim_names[-1]]
-
-
-class TPLayout(NamedTuple):
-    """Where tensor parallelism put a parameter: its mesh and (Shard/Replicate) placements."""
-
-    mesh: DeviceMesh
-    placements: tuple[Placement, ...]
-
-    def local(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's part of ``full`` under this layout, as a view."""
-        local = full
-        for axis, placement in enumerate(self.placements):
-            if isinstance(placement, Shard):
-                chunks = torch.chunk(local, self.mesh.size(axis), placement.dim)
-                coordinate = self.mesh.get_local_rank(axis)
-                if coordinate < len(chunks):
-                    local = chunks[coordinate]
-                else:  # past the last chunk: empty, like DTensor's
-                    local = local.narrow(placement.dim, local.size(placement.dim), 0)
-        return local
 
 
 class FSDPParam:
@@ -129,12 +68,11 @@ class FSDPParam:
         param: nn.Parameter,
         fqn: str,
         registrations: list[Registration],
+        layout: ShardLayout,
         mesh_info: MeshInfo,
         device: torch.device,
         mp_policy: MixedPrecisionPolicy,
         offload_policy: OffloadPolicy,
-        shard_dim: int = 0,
-        replicated: bool = False,
         ops: DeviceOps | None = None,
     ) -> None:
         self.fqn = fqn  # from the root after lazy init; from the sharded module before
@@ -142,65 +80,32 @@ class FSDPParam:
         # The parameter before sharding, only to recognise it if it was tied to
         # a module outside this group (see fully_shard.py).
         self.orig_param_ref = weakref.ref(param)
+        self.layout = layout
         self.mesh_info = mesh_info
         self.device = device
-        self.orig_size = param.size()  # global, as full_tensor() returns it
         self.mp_policy = mp_policy
         self._init_dtypes(param.dtype)
         self.requires_grad = param.requires_grad
-        # TP: the layout of the unsharded parameter. Otherwise None.
-        self.tp_layout: TPLayout | None = None
-        if isinstance(param, DTensor):
-            self.tp_layout = TPLayout(param.device_mesh, tuple(param.placements))
-            data = param.to_local()
-        else:
-            data = param
-        # What the group all-gathers: the whole parameter, or its TP-local part.
-        self.unsharded_size = data.size()
-        self.shard_dim = shard_dim
-        # Kept whole on every rank (``min_numel_to_shard``): not all-gathered,
-        # its gradient all-reduced. Seen as a "shard" over a world of one.
-        self.replicated = replicated
-        self.mesh, self.placements = self._sharded_layout()
-        world_size, rank = mesh_info.shard_world_size, mesh_info.shard_rank
-        if replicated:
-            world_size, rank = 1, 0
-        dim_size = self.unsharded_size[shard_dim]
-        self.chunk_rows = chunk_rows(dim_size, world_size)  # along shard_dim
-        # Elements of one rank's slot in the communication buffers (padded).
-        self.padded_shard_numel = self.chunk_rows * (data.numel() // max(dim_size, 1))
-        start = min(rank * self.chunk_rows, dim_size)
         # Where the shard lives: the compute device, or the CPU when offloading.
         self.offload = isinstance(offload_policy, CPUOffloadPolicy)
         self.shard_device = torch.device("cpu") if self.offload else device
         self.pin_memory = isinstance(offload_policy, CPUOffloadPolicy) and offload_policy.pin_memory
+        data = param.to_local() if isinstance(param, DTensor) else param
         with torch.no_grad():
-            local = _shard_of(data.detach(), shard_dim, world_size, rank)
-            # HSDP over replicas: the shard group's chunk split again, this rank's piece.
-            self.replica: ReplicaShard | None = None
-            if mesh_info.shard_over_replicas and not replicated:
-                replicas = mesh_info.replicate_world_size
-                self.replica = ReplicaShard(local.shape, replicas, mesh_info.mesh.get_local_rank(0))
-                start += self.replica.start
-                local = self.replica.piece_of(local).clone()
+            local = layout.local_of(data.detach())
             # Meta parameters stay on meta until ``module.to_empty(device=...)``.
             local = local if data.is_meta else self._pinned(local.to(self.shard_device), ops)
-        self._local_start = start
         self.sharded_param = nn.Parameter(
             self._as_dtensor(local), requires_grad=param.requires_grad
         )
-        self.sharded_param.__dict__[FSDP_SHARDED] = True
-        if self.replica is not None:
-            self.replica.mark(self.sharded_param)
-        self.local_numel = local.numel()
-        self.local_shape = local.shape
+        self.sharded_param.__dict__[SHARDED] = True
         self._unsharded_padded: torch.Tensor | None = None
         self._grad_spec: DTensorSpec | None = None  # of the sharded grad, built on first use
         self.unsharded_param: nn.Parameter | None = None
         # Sum of unsharded gradients of backwards run without gradient sync.
         self.unsynced_grad: torch.Tensor | None = None
-        # HSDP: reduce-scattered but not yet all-reduced across replicas (local
-        # shard shape, reduce dtype), from backwards run without all-reduce.
+        # HSDP: reduced inside the shard group, not yet across replicas (reduce
+        # dtype, shaped like the chunk), from backwards run without all-reduce.
         self.partial_grad: torch.Tensor | None = None
         # A subclass that all-gathers itself (see [Note: all-gather extensions]).
         self.extension: AllGatherExtension | None = None
@@ -209,7 +114,7 @@ class FSDPParam:
                 local,
                 _shard_axis(mesh_info.mesh),
                 device,
-                self.unsharded_size[0],
+                layout.unsharded_size[0],
                 registrations[0].module,
                 mp_policy,
             )
@@ -241,16 +146,12 @@ class FSDPParam:
         param = module_parameters(first.module)[first.name]
         if param is not self.sharded_param:
             param = self._adoptable(param)
-            param.__dict__[FSDP_SHARDED] = True
-            if self.replica is not None:
-                self.replica.mark(param)
+            param.__dict__[SHARDED] = True
             self.sharded_param = param
             self.requires_grad = param.requires_grad
             self._set_on_modules(param)
         if param.dtype != self.orig_dtype:
             self._init_dtypes(param.dtype)
-            if self.replica is not None:
-                self.replica.drop()
             # Rebuilt in the new dtype at the next unshard.
             self._unsharded_padded = None
             self.unsharded_param = None
@@ -297,10 +198,11 @@ class FSDPParam:
         saying why it cannot be one."""
         if isinstance(param, DTensor):
             local = local_tensor(param)
+            layout = self.layout
             if (
-                local.shape == self.local_shape
-                and param.placements == self.placements
-                and param.device_mesh == self.mesh
+                local.shape == layout.local_shape
+                and param.placements == layout.placements
+                and param.device_mesh == layout.mesh
             ):
                 if isinstance(param, nn.Parameter):
                     return param
@@ -310,70 +212,31 @@ class FSDPParam:
             got = f"a {type(param).__name__} of shape {tuple(param.shape)}"
         else:
             got = repr(param)
+        layout = self.layout
         raise ValueError(
             f"fsdp2: {self.fqn!r} was replaced by {got}, but it is "
-            f"{tuple(self.orig_size)} sharded as a {tuple(self.local_shape)} shard placed "
-            f"{self.placements} on {self.mesh}. Assign a DTensor sharded like it "
+            f"{tuple(layout.orig_size)} sharded as a {tuple(layout.local_shape)} shard placed "
+            f"{layout.placements} on {layout.mesh}. Assign a DTensor sharded like it "
             "(distribute_tensor(full, param.device_mesh, param.placements)), or load full "
             "tensors with model.load_state_dict(...), which shards them in place. (A plain "
             "tensor cannot be adopted as the same Parameter object, and an optimizer "
             "holding it would silently never update it.)"
         )
 
-    def _sharded_layout(self):
-        """The mesh and placements of the sharded parameter (see [Note: FSDP over
-        tensor parallelism])."""
-        dp_placements = list(self.mesh_info.placements)
-        dp_placements[-1] = Replicate() if self.replicated else Shard(self.shard_dim)
-        if self.mesh_info.shard_over_replicas and not self.replicated:
-            # [Note: sharded over replicas]: chunked over the shard axis first.
-            dp_placements[0] = strided_shard(0, self.mesh_info.shard_world_size)
-        tp = self.tp_layout
-        if tp is None:
-            return self.mesh_info.mesh, tuple(dp_placements)
-        if (spmd := self.mesh_info.spmd) is not None:
-            return self._spmd_sharded_layout(spmd, dp_placements[-1])
-        tp_shards = math.prod(
-            tp.mesh.size(axis)
-            for axis, p in enumerate(tp.placements)
-            if isinstance(p, Shard) and p.dim == self.shard_dim
-        )
-        if tp_shards > 1 and not self.replicated:
-            dp_placements[-1] = strided_shard(self.shard_dim, tp_shards)
-        mesh = concatenate_meshes([self.mesh_info.mesh, tp.mesh])
-        return mesh, (*dp_placements, *tp.placements)
-
-    def _spmd_sharded_layout(
-        self, spmd: SpmdAxes, dp_placement: Placement
-    ) -> tuple[DeviceMesh, tuple[Placement, ...]]:
-        """``dp_mesh_dims``: the parameter's own placements on the full mesh, its
-        data-parallel shard axes (flattened into one) placed ``dp_placement``,
-        or ``_StridedShard`` when axes after them shard the same dim (the data-
-        parallel chunk is then a chunk of theirs), replicate axes ``Replicate()``."""
-        placements = list(self._tp_layout().placements)
-        dim = self.shard_dim
-        split = math.prod(  # the parameter's own placements: Shard or Replicate
-            spmd.mesh.size(axis)
-            for axis, p in enumerate(placements)
-            if axis > spmd.shard[-1] and isinstance(p, Shard) and p.dim == dim
-        )
-        if split > 1 and isinstance(dp_placement, Shard):
-            dp_placement = strided_shard(dim, split)
-        placements[spmd.shard[0]] = dp_placement
-        del placements[spmd.shard[0] + 1 : spmd.shard[-1] + 1]  # flattened into the first
-        return spmd.sharded_mesh, tuple(placements)
-
     def shard_like(self, full: torch.Tensor) -> DTensor:
         """This rank's shard of ``full`` (shaped like the parameter) as a DTensor."""
-        data = full.detach() if self.tp_layout is None else self.tp_layout.local(full.detach())
-        local = data.narrow(self.shard_dim, self._local_start, self.local_shape[self.shard_dim])
+        layout = self.layout
+        data = full.detach() if layout.tp is None else layout.tp.local(full.detach())
+        dim = layout.shard_dim
+        local = data.narrow(dim, layout.local_start, layout.local_shape[dim])
         return self._as_dtensor(local.to(self.sharded_param.device).contiguous())
 
     def _as_dtensor(self, local: torch.Tensor) -> DTensor:
         """The sharded parameter around ``local``, which stays where it is:
         ``DTensor.from_local`` would move a CPU-offloaded shard to the mesh's
         device (the GPU found it; a CPU mesh cannot show it)."""
-        spec = dtensor_spec(self.mesh, self.placements, self.orig_size, local.dtype)
+        layout = self.layout
+        spec = dtensor_spec(layout.mesh, layout.placements, layout.orig_size, local.dtype)
         return dtensor_from_local_no_grad(local, spec)
 
     def _assign_sharded_grad(self, local: torch.Tensor) -> None:
@@ -381,16 +244,17 @@ class FSDPParam:
 
     def _as_sharded_grad(self, local: torch.Tensor) -> DTensor:
         if self._grad_spec is None:
+            layout = self.layout
             self._grad_spec = dtensor_spec(
-                self.mesh, self.placements, self.orig_size, self.orig_dtype
+                layout.mesh, layout.placements, layout.orig_size, self.orig_dtype
             )
         return dtensor_from_local_no_grad(local, self._grad_spec)
 
     def _tp_layout(self) -> TPLayout:
         """Of a parameter that is a DTensor (TP, or dp_mesh_dims)."""
-        if self.tp_layout is None:
+        if self.layout.tp is None:
             raise AssertionError(f"{self.fqn!r} is not a DTensor parameter")
-        return self.tp_layout
+        return self.layout.tp
 
     # -- all-gather -------------------------------------------------------
 
@@ -399,16 +263,15 @@ class FSDPParam:
         slot long: the local shard (cast to ``param_dtype`` by the copy-in), or
         what the subclass's ``fsdp_pre_all_gather`` returns."""
         local = local_tensor(self.sharded_param)
-        if self.replica is not None:  # refreshed by the group (replica.py)
-            return [self.replica.chunk()]
         if self.extension is None:
             return [local.view(-1)]
         if self.offload:
             local = local.to(self.device, non_blocking=True)
+        orig_size = self.layout.orig_size
         return self.extension.pre_all_gather(
             local,
-            self.orig_size,
-            _contiguous_strides(self.orig_size),
+            orig_size,
+            _contiguous_strides(orig_size),
             self.mesh_info.shard_collectives,
         )
 
@@ -417,14 +280,14 @@ class FSDPParam:
         """``(elements, dtype)`` of each of this parameter's slots in a rank's block
         of the all-gather buffer (an extension's: known after its first inputs)."""
         if self.extension is None:
-            return [(self.padded_shard_numel, self.param_dtype)]
+            return [(self.layout.slot_numel, self.param_dtype)]
         return list(zip(self.extension.slots, self.extension.slot_dtypes, strict=True))
 
     def all_gather_outputs(self, world_size: int) -> list[torch.Tensor]:
         """Where the copy-out writes, storage allocated, one per slot, rank-major
         (row k receives rank k's slot; see ``rank_major``)."""
         if self.extension is None:
-            return [self.rank_major(self.alloc_unsharded(), world_size)]
+            return [self.layout.rank_major(self.alloc_unsharded(), world_size)]
         return self.extension.alloc_outputs(world_size)
 
     def finish_unshard(self) -> None:
@@ -449,17 +312,14 @@ class FSDPParam:
         torch.compile] in common.py).
         """
         if self._unsharded_padded is None:
-            padded_size = list(self.unsharded_size)
-            if not self.replicated:
-                padded_size[self.shard_dim] = self.mesh_info.shard_world_size * self.chunk_rows
+            layout = self.layout
             self._unsharded_padded = torch.empty(
-                padded_size, dtype=self.param_dtype, device=self.device
+                layout.padded_unsharded_size, dtype=self.param_dtype, device=self.device
             )
-            data = self._unsharded_padded.narrow(
-                self.shard_dim, 0, self.unsharded_size[self.shard_dim]
-            ).data
-            if (tp := self.tp_layout) is not None:
-                spec = dtensor_spec(tp.mesh, tp.placements, self.orig_size, self.param_dtype)
+            dim = layout.shard_dim
+            data = self._unsharded_padded.narrow(dim, 0, layout.unsharded_size[dim]).data
+            if (tp := layout.tp) is not None:
+                spec = dtensor_spec(tp.mesh, tp.placements, layout.orig_size, self.param_dtype)
                 data = dtensor_from_local_no_grad(data, spec)
             self.unsharded_param = nn.Parameter(data, requires_grad=self.requires_grad)
         else:
@@ -470,34 +330,15 @@ class FSDPParam:
         return self._unsharded_padded
 
     @torch.no_grad()
-    def copy_replicated(self) -> None:
-        """Unshards a replicated parameter: its local tensor is the whole of it."""
+    def copy_whole(self) -> None:
+        """Unshards a parameter kept whole: its local tensor is all of it."""
         self.alloc_unsharded().copy_(local_tensor(self.sharded_param))
-
-    def rank_major(self, tensor: torch.Tensor, world_size: int) -> torch.Tensor:
-        """``tensor`` (unsharded-shaped, padded for dim 0) seen as ``world_size``
-        rows, row k holding rank k's slot: ``(W, slot)`` for dim 0, ``(W, pre,
-        chunk, post)`` (a strided view) for a dim > 0. See [Note: the padded layout]."""
-        if self.shard_dim == 0:
-            return tensor.view(world_size, -1)
-        size = self.unsharded_size
-        pre, post = math.prod(size[: self.shard_dim]), math.prod(size[self.shard_dim + 1 :])
-        return tensor.view(pre, world_size, -1, post).transpose(0, 1)
 
     def free_unsharded(self) -> None:
         if self._unsharded_padded is not None:
             self._unsharded_padded.untyped_storage().resize_(0)
         if self.extension is not None:
             self.extension.free()
-
-    @property
-    def unsharded_storage_bytes(self) -> int:
-        """Bytes currently held by the unsharded parameter (0 when resharded)."""
-        if self.extension is not None:
-            return self.extension.storage_bytes
-        if self._unsharded_padded is None:
-            return 0
-        return self._unsharded_padded.untyped_storage().size()
 
     # -- module registration ----------------------------------------------
 
@@ -554,7 +395,7 @@ class FSDPParam:
     def zero_unsharded_grad(self, dtype: torch.dtype) -> torch.Tensor:
         """Zeros for a parameter unused in this backward, in ``dtype``: that of
         the group's other gradients, so that packing them needs no cast copy."""
-        return torch.zeros(self.unsharded_size, dtype=dtype, device=self.device)
+        return torch.zeros(self.layout.unsharded_size, dtype=dtype, device=self.device)
 
     def keep_unsynced_grad(self) -> None:
         """Gradient accumulation without sync: adds this backward's unsharded
@@ -588,4 +429,4 @@ class FSDPParam:
         return None
 
     def __repr__(self) -> str:
-        return f"FSDPParam({self.fqn}, size={tuple(self.orig_size)})"
+        return f"FSDPParam({self.fqn}, size={tuple(self.layout.orig_size)})"

@@ -25,35 +25,21 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, NamedTuple, Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.nn as nn
 
-from .collectives import (
-    AllGatherInFlight,
-    DividePlan,
-    ReduceInFlight,
-    all_gather,
-    all_gather_dtype,
-    as_buffer_dtype,
-    copy_out,
-    divide_plan,
-    reduce_scatter,
-)
+from .all_gather import AllGatherInFlight, AllGatherInputs, all_gather_dtype, as_buffer_dtype
 from .comm import CommContext
 from .common import MeshInfo, ShardedState, TrainingState
-from .compressed import GradientWire, Int8Rows
-from .compression import CompressionPolicy
-from .custom_comm import AllGather, ReduceScatter
+from .comms import CommSettings, choose_comms
+from .divide import DividePlan, divide_plan
+from .execution_order import ExecutionOrderCheck
 from .param import FSDPParam
 from .post_backward import PostBackwardCount
-from .primitives import Collectives
 from .private_api import outside_functorch, profiled
-from .replica import refresh_all_gather_inputs
-
-if TYPE_CHECKING:
-    from .order import ExecutionOrderCheck
+from .reduce_scatter import ReduceInFlight
 
 logger = logging.getLogger("fsdp2")
 
@@ -63,7 +49,7 @@ class GroupContext(Protocol):
 
     comm: CommContext
     order_check: ExecutionOrderCheck | None
-    final_callback_queued: bool  # a backward is running
+    backward_running: bool  # between the first pre-backward hook and the final callback
 
 
 class GradsToReduce(NamedTuple):
@@ -82,12 +68,12 @@ class FSDPParamGroup:
         root_ctx: GroupContext,
         reshard_after_forward: bool,
         post_forward_mesh_info: MeshInfo | None,
-        compression: CompressionPolicy | None = None,
+        settings: CommSettings,
     ) -> None:
         self.fsdp_params = fsdp_params
         # All-gathered, vs. kept whole on every rank (min_numel_to_shard).
-        self.sharded_params = [p for p in fsdp_params if not p.replicated]
-        self.replicated_params = [p for p in fsdp_params if p.replicated]
+        self.sharded_params = [p for p in fsdp_params if not p.layout.whole]
+        self.whole_params = [p for p in fsdp_params if p.layout.whole]
         self.modules = tuple(modules)  # the modules passed to fully_shard
         self.mesh_info = mesh_info
         self.root_ctx = root_ctx  # replaced by the root's context at lazy init
@@ -95,31 +81,30 @@ class FSDPParamGroup:
         # Set: after forward, keep a shard over this smaller group instead.
         self.post_forward_mesh_info = post_forward_mesh_info if self.sharded_params else None
         self.reshard_after_backward = True
-        # What travels compressed (compression.py); checked by validate.check_compression.
-        self.compression = compression or CompressionPolicy()
+        # The communication variants (comms.py), chosen again when a setting changes.
+        self.settings = settings
+        self.comms = choose_comms(
+            mesh_info,
+            self.post_forward_mesh_info,
+            [p.layout for p in self.sharded_params],
+            settings,
+        )
         self.requires_gradient_sync = True
-        self.requires_all_reduce = True  # HSDP: across replicas
         # Set by FSDPModule methods (module.py), each named after its setter.
         self.unshard_in_backward = True
         self.reduce_scatter_unused_params = False
         self.gradient_divide_factor: float | None = None  # None: the ranks averaged over
         self.force_sum_reduction_for_comms = False
         # Made at the first reduce-scatter; dropped by what changes it (clear_divide_plan).
-        self._divide_plan: tuple[torch.dtype, DividePlan] | None = None  # (reduce dtype, plan)
+        self._divide_plan: tuple[torch.dtype, DividePlan] | None = None  # (sum dtype, plan)
         self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
         self.all_reduce_hook_stream: torch.Stream | None = None
-        self.custom_all_gather: AllGather | None = None
-        self.custom_reduce_scatter: ReduceScatter | None = None
         self.reduce_scatter_max_input_buffers = 1
-        # Of the shard group, or of a process group of the same ranks of their own
-        # (set_separate_reduce_scatter_group).
-        self.reduce_scatter_collectives: Collectives = mesh_info.shard_collectives
         # SHARDED_POST_FORWARD: this rank's block of every parameter over the
         # small group, flat (post-forward slot of each parameter, in order).
         self._post_forward_shard: torch.Tensor | None = None
         # Accelerators: recorded after it was written, waited for by its copy-in.
         self._post_forward_shard_written: torch.Event | None = None
-        self.fqn = ""  # module path from the root, set at lazy init
         self.position = 0  # in the root's pre-order, set at lazy init (order check)
         # For messages: the path(s) from the root, or "(root)"; see lazy init.
         self.name = ", ".join(type(m).__name__ for m in modules)
@@ -129,6 +114,18 @@ class FSDPParamGroup:
         self.all_gathers_started = 0  # tells one all-gather from the next (UnshardHandle)
         # The PostBackward nodes of the forward in progress (see pre_forward).
         self.post_backward_count: PostBackwardCount | None = None
+
+    def configure(self, **changes: object) -> None:
+        """Changes the communication settings (``CommSettings``' fields) and
+        chooses the variants again; raises, changing nothing, if the new
+        settings do not go together."""
+        settings = self.settings.replace(**changes)
+        layouts = [p.layout for p in self.sharded_params]
+        self.comms = choose_comms(
+            self.mesh_info, self.post_forward_mesh_info, layouts, settings, self.comms
+        )
+        self.settings = settings
+        self.clear_divide_plan()
 
     def fail(self, message: str) -> AssertionError:
         return AssertionError(f"[rank {self.mesh_info.shard_rank}] group {self.name!r}: {message}")
@@ -160,55 +157,25 @@ class FSDPParamGroup:
             self._copy_in_and_issue()
 
     def _copy_in_and_issue(self) -> None:
+        comm = self.root_ctx.comm
         if self.sharded_state is ShardedState.SHARDED_POST_FORWARD:
             info = self._post_forward_info()
-            shard = self._post_forward_shard
-            if shard is None:
+            shard, variant = self._post_forward_shard, self.comms.post_forward_all_gather
+            if shard is None or variant is None:
                 raise self.fail("SHARDED_POST_FORWARD without its shard")
-            inputs, slots = [shard], [(shard.numel(), shard.dtype)]
+            inputs = AllGatherInputs([shard], [(shard.numel(), shard.dtype)], (False,))
         else:
-            info = self.mesh_info
+            info, variant = self.mesh_info, self.comms.all_gather
             for fsdp_param in self.sharded_params:
                 fsdp_param.check_not_replaced()
-            if info.shard_over_replicas:  # the chunks of changed pieces, gathered again
-                refresh_all_gather_inputs(self.sharded_params, info, self.root_ctx.comm, self.name)
-            inputs = [x for p in self.sharded_params for x in p.all_gather_inputs()]
-            slots = self._all_gather_slots()
-        buffer_dtype = all_gather_dtype([dtype for _, dtype in slots])
+            inputs = variant.inputs(self.sharded_params, comm, self.name)
         if (check := self.root_ctx.order_check) is not None:
-            numel = sum(
-                n * (dtype.itemsize if buffer_dtype is torch.uint8 else 1) for n, dtype in slots
+            check.before_collective(
+                "all-gather", self.position, info.shard_collectives, inputs.block_numel
             )
-            check.before_collective("all-gather", self.position, info.shard_collectives, numel)
         logger.debug("%s: all-gather issued (%s)", self.name, self.sharded_state.name)
         self.all_gathers_started += 1
-        self._all_gather = all_gather(
-            inputs,
-            slots,
-            buffer_dtype,
-            info.shard_collectives,
-            info.shard_rank,
-            info.shard_world_size,
-            self.root_ctx.comm,
-            self.name,
-            self.custom_all_gather,
-            self._int8_rows(slots),
-        )
-
-    def _int8_rows(self, slots: list[tuple[int, torch.dtype]]) -> Int8Rows | None:
-        """The layout of an int8 all-gather, if this one quantizes: int8 weights,
-        from the shards (the post-forward shard of an int ``reshard_after_forward``
-        was gathered already and is not quantized twice), over a group that
-        exchanges something. A subclass that all-gathers itself is left as it is."""
-        compression, info = self.compression, self.mesh_info
-        if (
-            compression.weights != "int8"
-            or self.sharded_state is not ShardedState.SHARDED
-            or (info.shard_world_size == 1 and not self.root_ctx.comm.force_collectives)
-        ):
-            return None
-        quantized = [p.extension is None for p in self.sharded_params for _ in p.all_gather_slots]
-        return Int8Rows(tuple(quantized), tuple(slots), compression.block_size)
+        self._all_gather = variant.gather(inputs, comm, self.name)
 
     def _all_gather_slots(self) -> list[tuple[int, torch.dtype]]:
         return [slot for p in self.sharded_params for slot in p.all_gather_slots]
@@ -224,18 +191,18 @@ class FSDPParamGroup:
         # Wait before allocating: if the collective fails, nothing is left allocated.
         self._all_gather.in_flight.wait()
         if (check := self.root_ctx.order_check) is not None:
-            in_training = torch.is_grad_enabled() or self.root_ctx.final_callback_queued
+            in_training = torch.is_grad_enabled() or self.root_ctx.backward_running
             check.record("all-gather", self.position, in_training)
         with profiled("all_gather_copy_out", self.name):
             outputs = [out for p in self.sharded_params for out in p.all_gather_outputs(world_size)]
-            copy_out(self._all_gather, outputs)
+            self._all_gather.copy_out(outputs)
             self.root_ctx.comm.copied_out(self._all_gather.all_gather_output)
             for fsdp_param in self.sharded_params:
                 fsdp_param.finish_unshard()
-            if self.replicated_params:
+            if self.whole_params:
                 self.root_ctx.comm.wait_for_optimizer()
-            for fsdp_param in self.replicated_params:
-                fsdp_param.copy_replicated()
+            for fsdp_param in self.whole_params:
+                fsdp_param.copy_whole()
         self._all_gather = None
         self._post_forward_shard = None
         for fsdp_param in self.fsdp_params:
@@ -363,7 +330,7 @@ class FSDPParamGroup:
                     self.reduce_scatter_unused_params
                     # Kept from an earlier backward without all-reduce: it must
                     # join this reduction even though this backward gave no grad.
-                    or (fsdp_param.partial_grad is not None and self.requires_all_reduce)
+                    or (fsdp_param.partial_grad is not None and self.settings.requires_all_reduce)
                 )
             ):
                 grad = fsdp_param.zero_unsharded_grad(dtype or fsdp_param.param_dtype)
@@ -374,22 +341,22 @@ class FSDPParamGroup:
             self.reshard()
         return taken
 
-    def divide_plan(self, reduce_dtype: torch.dtype) -> DividePlan:
-        """How this group's reductions divide (``collectives.divide_plan``), made
-        once: the setters that change it call ``clear_divide_plan``."""
-        if self._divide_plan is None or self._divide_plan[0] is not reduce_dtype:
-            info = self.mesh_info
+    def divide_plan(self, sum_dtype: torch.dtype) -> DividePlan:
+        """How this group's reductions divide (divide.py), made once: the
+        setters that change it call ``clear_divide_plan``."""
+        if self._divide_plan is None or self._divide_plan[0] is not sum_dtype:
+            info, settings = self.mesh_info, self.settings
             plan = divide_plan(
-                self.reduce_scatter_collectives.backend,
-                reduce_dtype,
+                self.comms.reduce_scatter.collectives.backend,
+                sum_dtype,
                 info.shard_world_size,
                 info.replicate_world_size,
                 self.gradient_divide_factor,
                 # A compressed reduction sums: no AVG or PREMUL_SUM on either stage.
-                self.force_sum_reduction_for_comms or self.compression.gradients is not None,
-                one_rank_collectives=self.root_ctx.comm.force_collectives,
+                self.force_sum_reduction_for_comms or settings.compression.gradients is not None,
+                one_rank_collectives=settings.one_rank_collectives,
             )
-            self._divide_plan = (reduce_dtype, plan)
+            self._divide_plan = (sum_dtype, plan)
         return self._divide_plan[1]
 
     def clear_divide_plan(self) -> None:
@@ -397,43 +364,28 @@ class FSDPParamGroup:
 
     def reduce_scatter(self, taken: GradsToReduce) -> ReduceInFlight:
         """Post-backward's second half: starts the reduce-scatter of ``taken``."""
-        info = self.mesh_info
-        collectives = self.reduce_scatter_collectives
+        variant = self.comms.reduce_scatter
         if (check := self.root_ctx.order_check) is not None:
-            numel = sum(p.padded_shard_numel for p in taken.fsdp_params) * info.shard_world_size
-            check.before_collective("reduce-scatter", self.position, collectives, numel)
+            slots = sum(p.layout.slot_numel for p in taken.fsdp_params)
+            numel = slots * self.mesh_info.shard_world_size
+            check.before_collective("reduce-scatter", self.position, variant.collectives, numel)
             check.record("reduce-scatter", self.position, in_training=True)
         logger.debug("%s: reduce-scatter issued for %d grads", self.name, len(taken.grads))
-        wire = self.reduce_scatter_wire
-        # Compressed: summed in fp32 by the receiver, divided after.
-        reduce_dtype = torch.float32 if wire is not None else taken.fsdp_params[0].reduce_dtype
-        return reduce_scatter(
-            taken.fsdp_params,
-            taken.grads,
-            collectives,
-            info.shard_world_size,
-            self.divide_plan(reduce_dtype),
-            self.root_ctx.comm,
-            self.name,
-            self.custom_reduce_scatter,
-            wire,
-        )
+        plan = self.divide_plan(variant.sum_dtype(taken.fsdp_params[0].reduce_dtype))
+        return variant.start(taken.fsdp_params, taken.grads, plan, self.root_ctx.comm, self.name)
 
-    @property
-    def reduce_scatter_wire(self) -> GradientWire | None:
-        """How the reduce-scatter's rows travel, if compressed (across="all")."""
-        compression = self.compression
-        if compression.gradients is None or compression.across != "all":
-            return None
-        return GradientWire(compression.gradients, compression.block_size)
-
-    @property
-    def all_reduce_wire(self) -> GradientWire | None:
-        """HSDP: how the all-reduce across replicas travels, if compressed."""
-        compression = self.compression
-        if compression.gradients is None or self.mesh_info.replicate_collectives is None:
-            return None
-        return GradientWire(compression.gradients, compression.block_size)
+    def start_across_replicas(
+        self, reduced: ReduceInFlight, after: tuple = ()
+    ) -> ReduceInFlight | None:
+        """Starts the replica stage (replica_stage.py) on a reduce-scatter's
+        output: finished, or (``after``: its collectives) on accelerators still
+        in flight. Returns what the stage left to assign, or None."""
+        stage = self.comms.replica_stage
+        check, replicate = self.root_ctx.order_check, self.mesh_info.replicate_collectives
+        if stage.communicates and check is not None and replicate is not None:
+            check.before_collective("all-reduce", self.position, replicate, reduced.output.numel())
+            check.record("all-reduce", self.position, in_training=True)
+        return stage.start(reduced, self.root_ctx.comm, self.name, after)
 
     @property
     def needs_post_backward(self) -> bool:

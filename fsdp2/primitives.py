@@ -64,6 +64,11 @@ class Collectives:
         self.process_group = process_group
         self.backend = backend
 
+    def allocate(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A flat buffer for one of these collectives (custom_comm.py's come
+        from the user's collective)."""
+        return torch.empty(numel, dtype=dtype, device=device)
+
     def all_gather(
         self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False
     ) -> Waitable | None:

@@ -3,10 +3,9 @@ to the sharded gradients.
 
     post_backward(group)   take the unsharded grads, reshard, make room in
                            the queue, start the reduce-scatter (and, on
-                           accelerators for HSDP, the all-reduce after it)
-    oldest finished        HSDP: all-reduce across replicas, or with
-                           shard_optimizer_over_replicas reduce-scatter (or
-                           keep the shard-group sums, set_requires_all_reduce(False))
+                           accelerators, the stage across replicas after it)
+    oldest finished        the group's stage across replicas (replica_stage.py:
+                           nothing, all-reduce, reduce-scatter, or keep the sums)
     assign                 divide what the plan left to divide, run the
                            all-reduce hook, accumulate the sharded grads
     finish_backward        the final callback's work: stragglers'
@@ -28,12 +27,11 @@ from typing import NamedTuple
 
 import torch
 
-from .collectives import ReduceInFlight, all_reduce
 from .device_ops import DeviceOps
 from .offload import HostCopy
 from .param_group import FSDPParamGroup, GroupContext
 from .private_api import profiled
-from .replica import reduce_scatter_across_replicas
+from .reduce_scatter import ReduceInFlight
 
 logger = logging.getLogger("fsdp2")
 
@@ -50,8 +48,8 @@ class ReductionPipeline:
     def __init__(self, root_ctx: GroupContext) -> None:
         self.root_ctx = root_ctx  # its comm context and order check
         self.reduce_scatters: deque[QueuedReduction] = deque()  # shared by share_comm_ctx
-        # HSDP all-reduces across replicas: one on CPU, every group's on accelerators.
-        self.all_reduces: deque[tuple[FSDPParamGroup, ReduceInFlight]] = deque()
+        # Stages across replicas in flight: one on CPU, every group's on accelerators.
+        self.across_replicas: deque[tuple[FSDPParamGroup, ReduceInFlight]] = deque()
         # Reductions whose all-reduce hook runs on a stream of its own: assigned
         # once the current stream has waited for the event after the hook.
         self.hooks: deque[tuple[ReduceInFlight, torch.Event]] = deque()
@@ -60,10 +58,6 @@ class ReductionPipeline:
         # False: the end of this backward leaves its last reduce-scatter in flight
         # (set_is_last_backward, for micro-batch and pipeline schedules).
         self.is_last_backward = True
-
-    @property
-    def reduce_scatter_in_flight(self) -> bool:
-        return bool(self.reduce_scatters)
 
     def post_backward(self, group: FSDPParamGroup) -> None:
         """A group's gradients are complete: reduce-scatters them (or keeps
@@ -74,7 +68,14 @@ class ReductionPipeline:
                 return
             self.make_room()
             if taken.grads:
-                reduced = self._start_all_reduce_early(group, group.reduce_scatter(taken))
+                reduced = group.reduce_scatter(taken)
+                stage = group.comms.replica_stage
+                if self.root_ctx.comm.uses_streams and stage.can_start_early(reduced):
+                    # Accelerators: ordered after the reduce-scatter's event only, it
+                    # overlaps the next groups' backward (on CPU gloo would block the
+                    # host on the reduce-scatter first).
+                    across = group.start_across_replicas(reduced, after=reduced.in_flight)
+                    reduced = reduced._replace(across=across)
                 self.reduce_scatters.append(QueuedReduction(self, group, reduced))
 
     def make_room(self) -> None:
@@ -91,80 +92,25 @@ class ReductionPipeline:
         queued.pipeline._finish_reduce_scatter(queued.group, queued.reduced)
 
     def _finish_reduce_scatter(self, group: FSDPParamGroup, reduced: ReduceInFlight) -> None:
-        """Waits for a reduce-scatter, then assigns its gradients, or (HSDP)
-        starts their all-reduce across replicas (one in flight: starting the
-        next finishes the previous), or keeps them for a later one."""
+        """Waits for a reduce-scatter, then starts its stage across replicas
+        (one in flight: starting the next finishes the previous) or assigns
+        its gradients."""
         reduced.wait()
-        if reduced.all_reduce is not None:  # issued with the reduce-scatter (accelerators)
-            self.all_reduces.append(
-                (group, reduced._replace(buffers=(), in_flight=(reduced.all_reduce,)))
-            )
-            return
-        replicate = group.mesh_info.replicate_collectives
-        if replicate is None:
-            self._assign(group, reduced)
-        elif not group.requires_all_reduce:
-            _keep_partial_grads(reduced)
+        across = reduced.across  # issued with the reduce-scatter (accelerators)
+        if across is None:
+            if group.comms.replica_stage.communicates:
+                self.finish_across_replicas()
+            across = group.start_across_replicas(reduced)
+        if across is None:
+            return  # kept for a later reduction
+        if across.in_flight:
+            self.across_replicas.append((group, across))
         else:
-            _add_partial_grads(reduced)
-            self.finish_all_reduces()
-            self._check_all_reduce(group, reduced)
-            if group.mesh_info.shard_over_replicas:  # see [Note: sharded over replicas]
-                across = reduce_scatter_across_replicas(
-                    reduced, group.mesh_info, self.root_ctx.comm, group.name
-                )
-                self.all_reduces.append((group, across))
-                return
-            self.all_reduces.append(
-                (
-                    group,
-                    all_reduce(
-                        reduced,
-                        replicate,
-                        self.root_ctx.comm,
-                        group.name,
-                        wire=group.all_reduce_wire,
-                    ),
-                )
-            )
+            self._assign(group, across)
 
-    def _start_all_reduce_early(
-        self, group: FSDPParamGroup, reduced: ReduceInFlight
-    ) -> ReduceInFlight:
-        """Accelerators, HSDP: issues the all-reduce across replicas right after
-        the reduce-scatter, ordered after its event only, so that it overlaps
-        the next groups' backward (on CPU gloo would block the host on the
-        reduce-scatter first). Partial sums kept from a backward without
-        all-reduce are added after the reduce-scatter instead, the CPU way."""
-        replicate = group.mesh_info.replicate_collectives
-        if (
-            not self.root_ctx.comm.uses_streams
-            or replicate is None
-            or group.mesh_info.shard_over_replicas  # repacked after the reduce-scatter
-            or not group.requires_all_reduce
-            or any(p.partial_grad is not None for p in reduced.fsdp_params)
-        ):
-            return reduced
-        self._check_all_reduce(group, reduced)
-        early = all_reduce(
-            reduced,
-            replicate,
-            self.root_ctx.comm,
-            group.name,
-            reduced.in_flight,
-            wire=group.all_reduce_wire,
-        )
-        return reduced._replace(all_reduce=early.in_flight[0])
-
-    def _check_all_reduce(self, group: FSDPParamGroup, reduced: ReduceInFlight) -> None:
-        check, replicate = self.root_ctx.order_check, group.mesh_info.replicate_collectives
-        if check is not None and replicate is not None:
-            check.before_collective("all-reduce", group.position, replicate, reduced.output.numel())
-            check.record("all-reduce", group.position, in_training=True)
-
-    def finish_all_reduces(self) -> None:
-        while self.all_reduces:
-            group, reduced = self.all_reduces.popleft()
+    def finish_across_replicas(self) -> None:
+        while self.across_replicas:
+            group, reduced = self.across_replicas.popleft()
             reduced.wait()
             self._assign(group, reduced)
 
@@ -216,7 +162,7 @@ class ReductionPipeline:
             group.cancel_unshard()
         if self.is_last_backward:
             self.finish_reduce_scatters()
-            self.finish_all_reduces()
+            self.finish_across_replicas()
             self.finish_hooks()
         self.root_ctx.comm.grads_to_host.wait()
         # The last all-gather buffers go now, not at the next forward's copy-in.
@@ -231,58 +177,21 @@ class ReductionPipeline:
         # root's reductions are dropped.
         mine = [q.reduced for q in self.reduce_scatters if q.pipeline is self]
         others = [q for q in self.reduce_scatters if q.pipeline is not self]
-        for reduced in mine + [reduced for _, reduced in self.all_reduces]:
+        # A stage across replicas issued early is waited for too: it writes its output.
+        early = [reduced.across for reduced in mine if reduced.across is not None]
+        for reduced in mine + early + [reduced for _, reduced in self.across_replicas]:
             try:
                 reduced.wait()
             except RuntimeError:
                 logger.warning("fsdp2: dropping a failed gradient reduction while resetting")
         self.reduce_scatters.clear()
         self.reduce_scatters.extend(others)
-        self.all_reduces.clear()
+        self.across_replicas.clear()
         for _, event in self.hooks:
             comm.wait_event(event)  # a stream wait, then the buffers can go
         self.hooks.clear()
         comm.grads_to_host.wait(discard=True)  # this iteration's grads are dropped
         comm.release_copied_out()
-
-
-def _output_slots(
-    reduced: ReduceInFlight, output: torch.Tensor | None = None
-) -> list[torch.Tensor]:
-    """Each reduced parameter's rows of ``output`` (the reduction's own by
-    default), shaped like its local shard (sharded over replicas: like its
-    shard group's chunk until the reduction across replicas, like its piece
-    after)."""
-    params = reduced.fsdp_params
-    if reduced.across_replicas:
-        sizes = [
-            p.padded_shard_numel if p.replica is None else p.replica.slot_numel for p in params
-        ]
-        shapes = [p.local_shape for p in params]
-    else:
-        sizes = [p.padded_shard_numel for p in params]
-        shapes = [p.local_shape if p.replica is None else p.replica.chunk_shape for p in params]
-    output = reduced.output if output is None else output
-    slots = output.split_with_sizes(sizes)
-    return [slot[: shape.numel()].view(shape) for slot, shape in zip(slots, shapes, strict=True)]
-
-
-@torch.no_grad()
-def _keep_partial_grads(reduced: ReduceInFlight) -> None:
-    """HSDP without all-reduce: keeps the shard-group sums for a later all-reduce."""
-    for fsdp_param, local_grad in zip(reduced.fsdp_params, _output_slots(reduced), strict=True):
-        if fsdp_param.partial_grad is None:
-            fsdp_param.partial_grad = local_grad.clone()
-        else:
-            fsdp_param.partial_grad.add_(local_grad)
-
-
-@torch.no_grad()
-def _add_partial_grads(reduced: ReduceInFlight) -> None:
-    for fsdp_param, local_grad in zip(reduced.fsdp_params, _output_slots(reduced), strict=True):
-        if fsdp_param.partial_grad is not None:
-            local_grad.add_(fsdp_param.partial_grad)
-            fsdp_param.partial_grad = None
 
 
 @torch.no_grad()
@@ -302,9 +211,7 @@ def assign_sharded_grads(reduced: ReduceInFlight, ops: DeviceOps | None = None) 
     if len(dtypes) == 1 and (dtype := dtypes.pop()) != output.dtype:
         output = output.to(dtype)  # one flat cast to the parameters' dtype, not one each
     copies = []
-    for fsdp_param, local_grad in zip(
-        reduced.fsdp_params, _output_slots(reduced, output), strict=True
-    ):
+    for fsdp_param, local_grad in zip(reduced.fsdp_params, reduced.views(output), strict=True):
         if (copy := fsdp_param.accumulate_sharded_grad(local_grad, ops)) is not None:
             copies.append(copy)
     return copies

@@ -15,7 +15,7 @@ import torch
 
 from .comm import CommContext
 from .common import TrainingState, eager_hook
-from .order import ExecutionOrderCheck
+from .execution_order import ExecutionOrderCheck
 from .param_group import FSDPParamGroup
 from .private_api import profiled, queue_backward_callback
 from .reduction import ReductionPipeline
@@ -44,7 +44,8 @@ class RootContext:
         # The implicit forward prefetch in flight: dropped if another group starts first.
         self.forward_guess: FSDPParamGroup | None = None
         self.forward_root: FSDPState | None = None  # the state whose forward is running outermost
-        self.final_callback_queued = False
+        # Between the first pre-backward hook of a backward and its final callback.
+        self.backward_running = False
         self.check_execution_order = False  # or TORCH_DISTRIBUTED_DEBUG=DETAIL at lazy init
         self.order_check: ExecutionOrderCheck | None = None  # made at lazy init when asked for
 
@@ -73,7 +74,7 @@ class RootContext:
         self.pre_forward_order.clear()
         self.forward_started.clear()
         self.forward_guess = None
-        self.final_callback_queued = False
+        self.backward_running = False
         self.comm.shards_may_change()
         if self.order_check is not None:
             self.order_check.discard_iteration()
@@ -140,8 +141,8 @@ class RootContext:
 
     def queue_final_callback(self) -> None:
         """Once per backward: run :meth:`_final_callback` when the engine is done."""
-        if not self.final_callback_queued:
-            self.final_callback_queued = True
+        if not self.backward_running:
+            self.backward_running = True
             queue_backward_callback(self._final_callback)
 
     @eager_hook
@@ -157,7 +158,7 @@ class RootContext:
             self._post_forward_positions.clear()
             if self.order_check is not None:
                 self.order_check.end_iteration()
-            self.final_callback_queued = False
+            self.backward_running = False
             self.comm.shards_may_change()
             if self.comm.stats is not None:
                 self.comm.stats.end_step()

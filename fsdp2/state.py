@@ -29,8 +29,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .checks import at_lazy_init
 from .common import MeshInfo, ShardedState, eager_hook
+from .mistakes import at_lazy_init
 from .param_group import FSDPParamGroup
 from .policy import MixedPrecisionPolicy
 from .post_backward import register_post_backward
@@ -72,7 +72,7 @@ class FSDPState:
     Every module call wraps its inputs in ``PostBackward`` and hooks its
     outputs for pre-backward, so backward unshards at whichever module's
     gradient arrives first, and post-backward runs once every module's
-    ``PostBackward`` has (see ``PostBackwardCount`` in param_group.py). A
+    ``PostBackward`` has (see ``PostBackwardCount`` in post_backward.py). A
     single module is the case of one.
     """
 
@@ -172,7 +172,7 @@ class FSDPState:
             if group.sharded_state is ShardedState.SHARDED:
                 group.reset_sharded_params()
         _check_materialized(root_ctx.groups)
-        at_lazy_init(root_ctx.groups)  # checks.py: replicas that differ; the optimizer check
+        at_lazy_init(root_ctx.groups)  # mistakes.py: replicas that differ; the optimizer check
         if self.reshard_after_forward_arg is None:
             # The root's parameters are needed again first thing in backward.
             for group in self.param_groups:
@@ -300,8 +300,7 @@ def _name_from_root(
 ) -> None:
     """Names a group and its parameters by their paths from the root (lazy init);
     a call's further groups (on other meshes) get their mesh's shape too."""
-    group.fqn = ", ".join(paths)
-    group.name = group.fqn or "(root)"
+    group.name = ", ".join(paths) or "(root)"
     if index > 0:
         group.name += f" [mesh {tuple(group.mesh_info.mesh.shape)}, #{index}]"
     for fsdp_param in group.fsdp_params:

@@ -38,7 +38,7 @@ def register_state_dict_hooks(module: nn.Module, group: FSDPParamGroup) -> None:
             if (
                 isinstance(value, torch.Tensor)
                 and not isinstance(value, DTensor)
-                and value.shape == fsdp_param.orig_size
+                and value.shape == fsdp_param.layout.orig_size
             ):
                 state_dict[prefix + key] = fsdp_param.shard_like(value)
 

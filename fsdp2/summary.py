@@ -61,13 +61,15 @@ def summary(model: nn.Module, *, print_table: bool = True) -> list[GroupSummary]
     for state, state_paths, group in groups:
         params = group.fsdp_params
         world_size = group.mesh_info.shard_world_size
-        # Replicated parameters (min_numel_to_shard) are whole, never padded.
+        # Whole parameters (min_numel_to_shard) are never padded.
         gathered_bytes = sum(
-            p.padded_shard_numel * p.param_dtype.itemsize * (1 if p.replicated else world_size)
+            p.layout.slot_numel * p.param_dtype.itemsize * (1 if p.layout.whole else world_size)
             for p in params
         )
-        numel = sum(p.unsharded_size.numel() for p in params)  # TP: this rank's part
-        unsharded_bytes = sum(p.unsharded_size.numel() * p.param_dtype.itemsize for p in params)
+        numel = sum(p.layout.unsharded_size.numel() for p in params)  # TP: this rank's part
+        unsharded_bytes = sum(
+            p.layout.unsharded_size.numel() * p.param_dtype.itemsize for p in params
+        )
         param_dtypes = dict.fromkeys(str(p.param_dtype).removeprefix("torch.") for p in params)
         rows.append(
             GroupSummary(
@@ -75,10 +77,10 @@ def summary(model: nn.Module, *, print_table: bool = True) -> list[GroupSummary]
                 num_params=len(params),
                 numel=numel,
                 unsharded_bytes=unsharded_bytes,
-                shard_bytes=sum(p.local_numel * p.orig_dtype.itemsize for p in params),
+                shard_bytes=sum(p.layout.local_numel * p.orig_dtype.itemsize for p in params),
                 padding_bytes=gathered_bytes - unsharded_bytes,
                 # Distinct ones: TP, shard_placement_fn and replication mix them.
-                placements=" | ".join(dict.fromkeys(str(p.placements) for p in params)),
+                placements=" | ".join(dict.fromkeys(str(p.layout.placements) for p in params)),
                 mesh=f"{tuple(group.mesh_info.mesh.shape)} {group.mesh_info.mesh.device_type}",
                 reshard_after_forward=_reshard_policy(state, group, is_root=model in state.modules),
                 param_dtype=" | ".join(param_dtypes),

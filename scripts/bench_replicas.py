@@ -77,11 +77,8 @@ def _run(setup: str, config: llama.LlamaConfig, rank: int) -> dict[str, int]:
         for module in model.modules():
             state = fsdp2.fully_shard.state(module)
             for group in state.param_groups if state is not None else ():
-                chunks += sum(
-                    p.replica.all_gather_input.numel() * 2
-                    for p in group.fsdp_params
-                    if p.replica is not None and p.replica.all_gather_input is not None
-                )
+                if (kept := group.comms.kept_chunks) is not None:
+                    chunks += kept.nbytes
     result = {
         "params": _nbytes(params),
         "grads": _nbytes(p.grad for p in params if p.grad is not None),

@@ -62,7 +62,7 @@ from llama import Llama, LlamaConfig  # noqa: E402
 
 import fsdp2  # noqa: E402
 from fsdp2.common import chunk_rows  # noqa: E402
-from fsdp2.compression import rows_wire_bytes  # noqa: E402
+from fsdp2.wire import rows_wire_bytes  # noqa: E402
 
 PRESETS = {
     "demo": LlamaConfig(),
@@ -228,7 +228,7 @@ def group_shapes(model: nn.Module) -> list[list[torch.Size]]:
 
 
 def _slot_numels(shapes: list[torch.Size], world_size: int) -> list[int]:
-    """Each parameter's padded slot (``FSDPParam.padded_shard_numel``, dim 0)."""
+    """Each parameter's padded slot (``ShardLayout.slot_numel``, dim 0)."""
     return [chunk_rows(s[0], world_size) * (s.numel() // max(s[0], 1)) for s in shapes]
 
 

@@ -1,8 +1,8 @@
 """One command for a GPU (``make gpu-check``): the accelerator path, proved and measured.
 
 Made for a machine with ONE GPU (a few minutes in all): at world size 1 the
-engine is told to issue its collectives all the same (``FSDP2_FORCE_COLLECTIVES=1``,
-a switch for checks), so the comm streams, the events, the copy-in stream,
+engine is told to issue its collectives all the same
+(``fsdp2.check_switches.force_one_rank_collectives``, a switch for checks), so the comm streams, the events, the copy-in stream,
 NCCL's ``AVG``, the CPU-offload copies and an HSDP (1, 1) all-reduce run (a
 one-rank communicator copies rather than runs kernels). With 2 GPUs or more
 it also runs at that world size. Each world, in this order:
@@ -72,6 +72,7 @@ sys.path.insert(0, str(ROOT))
 from llama import Llama, LlamaConfig  # noqa: E402
 
 import fsdp2  # noqa: E402
+from fsdp2.check_switches import force_one_rank_collectives  # noqa: E402
 from fsdp2.comm import InFlight  # noqa: E402
 from fsdp2.primitives import collectives_for  # noqa: E402
 from fsdp2.private_api import premul_sum  # noqa: E402
@@ -200,10 +201,13 @@ def build(
     return model
 
 
-def shard(model: nn.Module, fully_shard, **kwargs) -> nn.Module:
+def shard(model: nn.Module, fully_shard, forced: bool = False, **kwargs) -> nn.Module:
+    """``forced``: fsdp2's groups issue their collectives over a world of one."""
     for block in model.layers:
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
+    if forced and fully_shard is fsdp2.fully_shard:
+        force_one_rank_collectives(model)
     return model
 
 
@@ -281,6 +285,7 @@ class World(NamedTuple):
     size: int
     device: torch.device
     label: str  # e.g. "x1 forced"
+    forced: bool  # fsdp2 issues its collectives at world size 1 too
 
     def synchronize(self) -> None:
         if self.device.type == "cuda":
@@ -368,7 +373,10 @@ def parity(world: World, streams: StreamCheck, case: str) -> list[Row]:
         )
         mine_kwargs["mesh"] = torch_kwargs["mesh"] = mesh
     mine = shard(
-        build(setting, device, checkpointed=checkpointed), fsdp2.fully_shard, **mine_kwargs
+        build(setting, device, checkpointed=checkpointed),
+        fsdp2.fully_shard,
+        world.forced,
+        **mine_kwargs,
     )
     models = {
         "fsdp2": streams.plug(mine),
@@ -416,7 +424,7 @@ def parity(world: World, streams: StreamCheck, case: str) -> list[Row]:
             rows.append(check(name, value, max(loss_diff, param_diff) < FP32_TOL))
     totals = stats.totals().values()
     # HSDP (replicas, 1) exchanges nothing in its shard groups, unless forced.
-    sharding = not hsdp or size == 1 or os.environ.get("FSDP2_FORCE_COLLECTIVES") == "1"
+    sharding = not hsdp or size == 1 or world.forced
     kinds = (("all_gather", "reduce_scatter") if sharding else ()) + (
         ("all_reduce",) if hsdp else ()
     )
@@ -435,7 +443,7 @@ def deliberate_race(world: World) -> Row:
     """One wait skipped (the copy-out does not wait for the all-gather): the
     stream check must report it."""
     streams = StreamCheck(world.setting)
-    model = streams.plug(shard(build(world.setting, world.device), fsdp2.fully_shard))
+    model = streams.plug(shard(build(world.setting, world.device), fsdp2.fully_shard, world.forced))
     optim = torch.optim.SGD(model.parameters(), lr=0.1)
     original = InFlight._wait
 
@@ -457,7 +465,7 @@ def deliberate_race(world: World) -> Row:
 def trained(world: World, fully_shard, policies: dict) -> tuple[nn.Module, Any]:
     """The timing model sharded, with its optimizer, after the warm-up steps."""
     setting = world.setting
-    model = shard(build(setting, world.device, timing=True), fully_shard, **policies)
+    model = shard(build(setting, world.device, timing=True), fully_shard, world.forced, **policies)
     optim = torch.optim.SGD(model.parameters(), lr=0.1)
     for step in range(setting.warmup):
         train_step(model, optim, *batch(setting, step, world.rank, world.device, timing=True))
@@ -645,8 +653,6 @@ def timing(world: World, what: str, bf16: bool, offload: bool) -> list[Row]:
 def worker(
     rank: int, world_size: int, forced: bool, setting: Setting, store_path: str, out: str
 ) -> None:
-    if forced:
-        os.environ["FSDP2_FORCE_COLLECTIVES"] = "1"  # read as each comm context is made
     if setting.device_type == "cuda":
         torch.cuda.set_device(rank)
         device = torch.device("cuda", rank)
@@ -656,7 +662,8 @@ def worker(
     dist.init_process_group(setting.backend, store=store, rank=rank, world_size=world_size)
     label = f"x{world_size}" + (" forced" if forced else "")
     try:
-        rows = run_world(World(setting, rank, world_size, device, label), Path(out).parent)
+        world = World(setting, rank, world_size, device, label, forced)
+        rows = run_world(world, Path(out).parent)
     finally:
         dist.destroy_process_group()
     if rank == 0:

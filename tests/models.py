@@ -156,3 +156,15 @@ def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
         name: (p.full_tensor() if isinstance(p, DTensor) else p).detach()
         for name, p in model.named_parameters()
     }
+
+
+def unsharded_bytes(fsdp_param: Any) -> int:
+    """Bytes an ``FSDPParam``'s unsharded storage holds: 0 once resharded.
+    (Its padded buffer's storage, or an extension's outputs and inner tensors.)"""
+    extension = fsdp_param.extension
+    if extension is None:
+        tensors = [t for t in (fsdp_param._unsharded_padded,) if t is not None]
+    else:
+        tensors = [*extension._outputs, *extension._inner_tensors]
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().size() for t in tensors}
+    return sum(storages.values())

@@ -3,7 +3,7 @@
 fsdp2's accelerator path orders work between streams with events and waits;
 a missing wait is a race that no CPU test sees, since CPU kernels run in
 program order. ``StreamModel`` is handed to the engine through its one seam
-(``CommContext.use_device_ops``, see fsdp2/device_ops.py) in place of CUDA's
+(``fsdp2.check_switches.use_device_ops``, see fsdp2/device_ops.py) in place of CUDA's
 streams, and, as a ``TorchDispatchMode``, sees every op:
 
 - clocks: each stream keeps a vector clock (stream -> ticks seen). Every op
@@ -58,7 +58,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from fsdp2.state import get_fsdp_state
+from fsdp2.check_switches import use_device_ops
 
 Clock = dict[int, int]
 
@@ -223,9 +223,7 @@ class StreamModel(TorchDispatchMode):
     def plug_into(self, model: nn.Module) -> None:
         """Makes every sharded module of ``model`` (before its first forward)
         run its streams and events through this model."""
-        for module in model.modules():
-            if (state := get_fsdp_state(module)) is not None:
-                state.root_ctx.comm.use_device_ops(self)  # type: ignore[arg-type]
+        use_device_ops(model, self)  # type: ignore[arg-type]
 
     # -- points, for overlap -------------------------------------------------
 

@@ -30,6 +30,7 @@ from models import (
     make_optimizer,
     mean_loss,
     shard_model,
+    unsharded_bytes,
 )
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
@@ -73,15 +74,14 @@ def _is_unsharded(module: fsdp2.FSDPModule) -> bool:
 def _check_all_resharded(model: nn.Module, when: str) -> None:
     for module in _groups(model):
         group = module._fsdp_state.param_groups[0]
-        name = f"{type(module).__name__} (group {group.fqn!r})"
+        name = f"{type(module).__name__} (group {group.name!r})"
         assert group.sharded_state is ShardedState.SHARDED, (
             f"{when}: {name} is {group.sharded_state.name}, not SHARDED"
         )
         assert not group.all_gather_in_flight, f"{when}: {name} has an all-gather in flight"
         for fsdp_param in group.fsdp_params:
-            assert fsdp_param.unsharded_storage_bytes == 0, (
-                f"{when}: {fsdp_param} still holds {fsdp_param.unsharded_storage_bytes} bytes"
-            )
+            held = unsharded_bytes(fsdp_param)
+            assert held == 0, f"{when}: {fsdp_param} still holds {held} bytes"
     for name, param in model.named_parameters():
         assert isinstance(param, DTensor), f"{when}: {name} is a {type(param).__name__}"
 

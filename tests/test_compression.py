@@ -1,5 +1,5 @@
 """The quantizers and CompressionPolicy, single process (see [Note: wire formats]
-in fsdp2/compression.py)."""
+in fsdp2/wire.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from torch.distributed.device_mesh import init_device_mesh
 
 from fsdp2 import CompressionPolicy, fully_shard
-from fsdp2.compression import (
+from fsdp2.wire import (
     NONFINITE_CODE,
     dequantize_blockwise,
     dequantize_rows,
@@ -183,4 +183,4 @@ def test_fully_shard_checks_the_policy():
             mesh=hsdp,
             compression=CompressionPolicy(gradients="int8", across="replicate"),
         )
-        assert layer._fsdp_state.param_groups[0].compression.gradients == "int8"
+        assert layer._fsdp_state.param_groups[0].settings.compression.gradients == "int8"

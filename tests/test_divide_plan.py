@@ -23,7 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import fsdp2
 import fsdp2.primitives
-from fsdp2.collectives import DividePlan, divide_plan
+from fsdp2.divide import DividePlan, divide_plan
 from fsdp2.primitives import backend_for
 
 SUM, AVG = dist.ReduceOp.SUM, dist.ReduceOp.AVG

@@ -1,10 +1,10 @@
 """``make gpu-check`` without a GPU, its rehearsal on CPU, and the engine's
-switch it uses to run collectives at world size 1 (``FSDP2_FORCE_COLLECTIVES``)."""
+switch it uses to run collectives at world size 1
+(``fsdp2.check_switches.force_one_rank_collectives``)."""
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,7 +19,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.testing import assert_close
 
 import fsdp2
-from fsdp2.collectives import divide_plan
+from fsdp2.check_switches import force_one_rank_collectives
+from fsdp2.divide import divide_plan
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "gpu_check.py"
 
@@ -53,11 +54,11 @@ def test_one_rank_collectives_divide_in_nccl_ops() -> None:
 
 
 def _forced(rank: int, world_size: int) -> None:
-    os.environ["FSDP2_FORCE_COLLECTIVES"] = "1"  # read when the comm context is made
     hsdp = init_device_mesh("cpu", (1, 1), mesh_dim_names=("replicate", "shard"))
     for mesh in (None, hsdp):
         ref = build_model("mlp")
         model = shard_model(build_model("mlp"), **({} if mesh is None else {"mesh": mesh}))
+        force_one_rank_collectives(model)
         optims = make_optimizer(ref), make_optimizer(model)
         with fsdp2.comm_stats(model) as stats:
             for step in range(2):
@@ -78,7 +79,6 @@ def _forced(rank: int, world_size: int) -> None:
             assert totals[name].all_reduce.count == (0 if mesh is None else 2), name
         for name, param in full_params(model).items():
             assert_close(param, ref.get_parameter(name), **REF_TOL)
-    del os.environ["FSDP2_FORCE_COLLECTIVES"]
     model = shard_model(build_model("mlp"))
     with fsdp2.comm_stats(model) as stats:
         mean_loss(model, *global_batch("mlp", 0)).backward()
@@ -89,7 +89,7 @@ def _forced(rank: int, world_size: int) -> None:
 
 @pytest.mark.distributed
 def test_forced_collectives_at_world_size_one(tmp_path: Path) -> None:
-    """FSDP2_FORCE_COLLECTIVES=1 on one gloo rank: every all-gather and
+    """force_one_rank_collectives on one gloo rank: every all-gather and
     reduce-scatter (and HSDP (1, 1)'s all-reduce) is issued, and training
     matches the unsharded model."""
     run_ranks(_forced, 1, tmp_path)

@@ -1,5 +1,5 @@
 """``fully_shard(mesh=2D, shard_optimizer_over_replicas=True)``: HSDP whose
-sharded parameters are split again across the replicas (fsdp2/replica.py).
+sharded parameters are split again across the replicas (fsdp2/over_replicas.py).
 
 References (tests/error_model.py):
 - the unsharded model trained on the global batch (DDP math), within REF_TOL
@@ -383,11 +383,6 @@ def _slots(model: nn.Module, replicas: int, shards: int) -> tuple[int, int]:
     return shards * shard_numel, replicas * replica_numel
 
 
-def _fsdp_param(model: nn.Module, name: str):
-    (group,) = fsdp2.fully_shard.state(model).param_groups
-    return next(p for p in group.fsdp_params if p.fqn == name)
-
-
 def _bytes_and_clip(rank: int, world_size: int) -> None:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     with labelled("comm_stats"):
@@ -432,10 +427,8 @@ def _bytes_and_clip(rank: int, world_size: int) -> None:
             for p in model.parameters()
         )
         assert held == 2 * pieces * 4, (held, pieces)
-        chunks = sum(
-            _fsdp_param(model, n).replica.all_gather_input.numel()
-            for n, _ in model.named_parameters()
-        )
+        (group,) = fsdp2.fully_shard.state(model).param_groups
+        chunks = sum(kept.rows.numel() for kept in group.comms.kept_chunks.kept)
         assert chunks * 4 == expected_replica * 4, (chunks, expected_replica)
         # Evaluation after a step without changes: no gather across replicas.
         with fsdp2.comm_stats(model) as stats, torch.no_grad():

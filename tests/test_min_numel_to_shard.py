@@ -68,7 +68,7 @@ def _train(rank: int, world_size: int, mesh, kind: str, **kwargs) -> None:
         group = state.param_groups[0]
         name = group.name
         sharded = [p for p in group.fsdp_params if p.sharded_param.placements[-1] != Replicate()]
-        gathered = sum(p.padded_shard_numel for p in sharded) * shard_world * 4
+        gathered = sum(p.layout.slot_numel for p in sharded) * shard_world * 4
         step_stats = stats.steps[-1][name]
         ag, ar = step_stats.all_gather, step_stats.all_reduce
         assert ag.bytes == ag.count * gathered, (name, ag, gathered)

@@ -1,5 +1,5 @@
 """Three mistakes that used to train silently wrong now stop at the first forward
-or optimizer step (fsdp2/checks.py), and the legitimate uses that look like
+or optimizer step (fsdp2/mistakes.py), and the legitimate uses that look like
 them run without an error or a warning:
 
 - a root left unsharded (its parameters trained apart on each rank),
@@ -41,7 +41,7 @@ from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed._tensor.common_dtensor import Transformer
 
 import fsdp2
-import fsdp2.checks
+import fsdp2.mistakes
 
 KIND = "transformer_untied"  # a root with parameters of its own: embeddings, norm, head
 THRESHOLD = 100  # min_numel_to_shard: biases and norm weights stay whole on every rank
@@ -59,19 +59,19 @@ def no_warnings() -> Iterator[None]:
 
 @contextlib.contextmanager
 def counted_checks() -> Iterator[list[int]]:
-    """Counts the checks' collectives (``fsdp2.checks._gather``) while active."""
+    """Counts the checks' collectives (``fsdp2.mistakes._gather``) while active."""
     calls = [0]
-    original = fsdp2.checks._gather
+    original = fsdp2.mistakes._gather
 
     def counting(*args, **kwargs):
         calls[0] += 1
         return original(*args, **kwargs)
 
-    fsdp2.checks._gather = counting
+    fsdp2.mistakes._gather = counting
     try:
         yield calls
     finally:
-        fsdp2.checks._gather = original
+        fsdp2.mistakes._gather = original
 
 
 def train(model: nn.Module, optims: list[torch.optim.Optimizer], rank: int, world: int) -> None:

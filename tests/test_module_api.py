@@ -316,9 +316,8 @@ def _in_flight_and_groups(rank: int, world_size: int) -> None:
         groups = {id(call.group) for call in calls}
         assert len(groups) == 2, "the default model's group and the separate one"
         shard_group = separate.layers[0]._fsdp_state.mesh_info.shard_group
-        rs_group = (
-            separate.layers[0]._fsdp_state.param_groups[0].reduce_scatter_collectives.process_group
-        )
+        variant = separate.layers[0]._fsdp_state.param_groups[0].comms.reduce_scatter
+        rs_group = variant.collectives.process_group
         assert rs_group is not shard_group
         assert dist.get_process_group_ranks(rs_group) == dist.get_process_group_ranks(shard_group)
     with labelled("share_comm_ctx"):

@@ -33,6 +33,7 @@ from models import (
     local_batch,
     make_optimizer,
     transformer_args,
+    unsharded_bytes,
 )
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard  # the reference only
@@ -150,7 +151,7 @@ def check_resharded(module: FSDPModule, when: str) -> None:
         )
         assert not group.all_gather_in_flight, f"{when}: group {group.name!r} all-gathering"
         for fsdp_param in group.fsdp_params:
-            assert fsdp_param.unsharded_storage_bytes == 0, f"{when}: {fsdp_param} unsharded"
+            assert unsharded_bytes(fsdp_param) == 0, f"{when}: {fsdp_param} unsharded"
 
 
 def check_all_resharded(model: nn.Module, when: str) -> None:

@@ -1,6 +1,6 @@
 """What keeps a sharded run from going silently wrong, and how it recovers.
 
-- The execution-order check (order.py): ranks that run sharded modules in
+- The execution-order check (execution_order.py): ranks that run sharded modules in
   different orders raise together on the first iteration; later deviations warn
   once; switched off, it costs no collective.
 - Clear errors for deepcopy and for loading a state dict of the wrong shape.
@@ -35,13 +35,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 from dist import fake_world, labelled, recorded, run_ranks
 from error_model import REF_TOL
-from models import global_mean, local_batch, make_optimizer
+from models import global_mean, local_batch, make_optimizer, unsharded_bytes
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.testing import assert_close
 
 import fsdp2
-from fsdp2 import param_group as param_group_module
+from fsdp2.all_gather import AllGatherComm
 from fsdp2.common import ShardedState, TrainingState
 
 WORLD_SIZE = 2
@@ -500,21 +500,21 @@ def test_reset_after_failed_all_gather_frees_unsharded_storage(
     """The all-gather of layers.1 fails while being waited for (as with a dead
     peer): after reset_iter_state no group may keep its unsharded storage."""
     model = shard_net(build_net(), _one_rank_mesh())
-    copy_out = param_group_module.copy_out
+    copy_out = AllGatherComm.copy_out
 
     target = model.layers[1]._fsdp_state.param_groups[0].fsdp_params[0]
 
-    def failing_copy_out(result, outputs) -> None:
+    def failing_copy_out(variant, output, outputs) -> None:
         # The unsharded storage is allocated by now: a failure here must not leak it.
         buffer = target._unsharded_padded  # allocated just before this copy-out
         if buffer is not None and outputs[0].data_ptr() == buffer.data_ptr():
             raise RuntimeError("fsdp2: the all-gather of 'layers.1' failed or timed out: injected")
-        copy_out(result, outputs)
+        copy_out(variant, output, outputs)
 
-    monkeypatch.setattr(param_group_module, "copy_out", failing_copy_out)
+    monkeypatch.setattr(AllGatherComm, "copy_out", failing_copy_out)
     with pytest.raises(RuntimeError, match="all-gather of 'layers.1'"):
         model(global_batch(0)[0])
-    monkeypatch.setattr(param_group_module, "copy_out", copy_out)
+    monkeypatch.setattr(AllGatherComm, "copy_out", copy_out)
     model.reset_iter_state()
     _check_idle_and_sharded(model)
 
@@ -543,16 +543,14 @@ def _check_idle_and_sharded(model: nn.Module, *, storage: bool = True) -> None:
     """Every group SHARDED and IDLE, nothing in flight, no gradient anywhere and
     (``storage``) no unsharded storage held."""
     for group in _groups(model):
-        where = f"group {group.fqn!r}"
+        where = f"group {group.name!r}"
         assert group.sharded_state is ShardedState.SHARDED, f"{where}: {group.sharded_state}"
         assert group.training_state is TrainingState.IDLE, f"{where}: {group.training_state}"
         assert not group.all_gather_in_flight, f"{where}: all-gather in flight"
         assert not _has_grads(group), f"{where}: gradients left"
         for p in group.fsdp_params:
-            assert not storage or p.unsharded_storage_bytes == 0, f"{p} holds unsharded storage"
-    assert not model._fsdp_state.root_ctx.reductions.reduce_scatter_in_flight, (
-        "reduce-scatter in flight"
-    )
+            assert not storage or unsharded_bytes(p) == 0, f"{p} holds unsharded storage"
+    assert not model._fsdp_state.root_ctx.reductions.reduce_scatters, "reduce-scatter in flight"
     for name, param in model.named_parameters():
         assert isinstance(param, DTensor), f"{name} is a {type(param).__name__}"
         assert param.grad is None, f"{name} has a gradient"
@@ -560,8 +558,8 @@ def _check_idle_and_sharded(model: nn.Module, *, storage: bool = True) -> None:
 
 def _check_left_over(model: nn.Module, phase: str, block: int) -> None:
     """What the interrupted iteration left behind (so the reset has work to do)."""
-    groups = {g.fqn: g for g in _groups(model)}
-    assert groups[""].sharded_state is ShardedState.UNSHARDED, "root resharded"
+    groups = {g.name: g for g in _groups(model)}
+    assert groups["(root)"].sharded_state is ShardedState.UNSHARDED, "root resharded"
     if phase == "forward":
         # The failing block was unsharded by its pre-forward hook.
         assert groups[f"layers.{block}"].training_state is TrainingState.FORWARD
@@ -569,14 +567,14 @@ def _check_left_over(model: nn.Module, phase: str, block: int) -> None:
         return
     assert groups[f"layers.{block}"].training_state is TrainingState.PRE_BACKWARD
     # The block after it in forward was reduce-scattered: still in flight.
-    assert model._fsdp_state.root_ctx.reductions.reduce_scatter_in_flight
+    assert model._fsdp_state.root_ctx.reductions.reduce_scatters
     if block == 1:
         # Its pre-backward prefetched layers.0.
         assert groups["layers.0"].all_gather_in_flight
     if block == 0:
         # layers.1's post-backward finished layers.2's reduce-scatter.
         assert groups["layers.2"].fsdp_params[0].sharded_param.grad is not None
-    assert _has_grads(groups[""]), "the root's gradients were not accumulated"
+    assert _has_grads(groups["(root)"]), "the root's gradients were not accumulated"
 
 
 def _recovery(rank: int, world_size: int) -> None:

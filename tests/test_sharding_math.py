@@ -25,12 +25,15 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from fsdp2 import MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from fsdp2.collectives import all_gather, copy_out, divide_plan, reduce_scatter
-from fsdp2.comm import InFlight
+from fsdp2.all_gather import AllGatherComm, params_inputs
+from fsdp2.comm import CommKind, InFlight
 from fsdp2.common import MeshInfo, chunk_rows
+from fsdp2.divide import divide_plan
+from fsdp2.layout import ShardLayout
 from fsdp2.param import FSDPParam
 from fsdp2.primitives import collectives_for
 from fsdp2.private_api import chunk_cat_
+from fsdp2.reduce_scatter import ReduceInFlight, ReduceScatterComm
 from fsdp2.reduction import assign_sharded_grads, average
 
 MAX_WORLD_SIZE = 8
@@ -60,12 +63,26 @@ def mesh_info(mesh: DeviceMesh, rank: int) -> MeshInfo:
     )
 
 
+def build_param(orig: torch.Tensor, name: str, info: MeshInfo, whole: bool = False) -> FSDPParam:
+    param = nn.Parameter(orig.clone())
+    layout = ShardLayout.of(param, info, whole=whole)
+    return FSDPParam(param, name, [], layout, info, CPU, NO_MP, NO_OFFLOAD)
+
+
 def build_params(origs: list[torch.Tensor], mesh: DeviceMesh, rank: int) -> list[FSDPParam]:
     info = mesh_info(mesh, rank)
-    return [
-        FSDPParam(nn.Parameter(t.clone()), f"p{i}", [], info, CPU, NO_MP, NO_OFFLOAD)
-        for i, t in enumerate(origs)
-    ]
+    return [build_param(t, f"p{i}", info) for i, t in enumerate(origs)]
+
+
+def reduce_scatter(
+    params: list[FSDPParam], grads: list[torch.Tensor], mesh: DeviceMesh, plan
+) -> ReduceInFlight:
+    """The engine's reduce-scatter of ``grads``, run by one simulated rank."""
+    world_size = mesh.size(0)
+    variant = ReduceScatterComm(
+        collectives_for(mesh.get_group(0), "cpu"), world_size, world_size > 1
+    )
+    return variant.start(params, grads, plan, SyncComm(), "")  # type: ignore[arg-type]
 
 
 def chunk_of(t: torch.Tensor, world_size: int, rank: int) -> torch.Tensor:
@@ -80,22 +97,20 @@ class SyncComm:
     device = CPU
     ops = None
     uses_streams = False
-    force_collectives = False
 
     def done_here(self) -> InFlight:
         return InFlight.done()
 
     def issue(
         self,
-        kind: str,
-        group_fqn: str,
+        kind: CommKind,
+        group_name: str,
         nbytes: int,
         collective: Callable[[bool], object],
         after: tuple = (),
-        stream: str | None = None,
     ) -> InFlight:
         collective(False)
-        return InFlight(work=None, event=None, ops=None, label=kind, stats=None)
+        return InFlight(work=None, event=None, ops=None, label=kind.label, stats=None)
 
 
 @contextmanager
@@ -125,31 +140,28 @@ def all_gather_round_trip(origs: list[torch.Tensor], mesh: DeviceMesh) -> list[l
     """Runs every rank's copy-in, simulates the all-gather, runs every rank's copy-out.
 
     Checks each rank's block of the all-gather buffer against the layout in
-    collectives.py's docstring; padding is overwritten with NaN before the
+    all_gather.py's docstring; padding is overwritten with NaN before the
     exchange, so any padding that leaked into an unsharded parameter shows.
     """
     world_size = mesh.size(0)
     per_rank = [build_params(origs, mesh, rank) for rank in range(world_size)]
+    collectives = collectives_for(mesh.get_group(0), "cpu")
     with recording("all_gather_single") as calls:
         results = [
-            all_gather(
-                [x for p in params for x in p.all_gather_inputs()],
-                [slot for p in params for slot in p.all_gather_slots],
-                params[0].param_dtype,
-                collectives_for(mesh.get_group(0), "cpu"),
-                rank,
-                world_size,
+            AllGatherComm(collectives, rank, world_size, world_size > 1).gather(
+                params_inputs(params),
                 SyncComm(),  # type: ignore[arg-type]
+                "",
             )
             for rank, params in enumerate(per_rank)
         ]
     if world_size == 1:  # a world of one rank exchanges nothing: the input is the output
         assert calls == []
-        copy_out(results[0], [out for p in per_rank[0] for out in p.all_gather_outputs(1)])
+        results[0].copy_out([out for p in per_rank[0] for out in p.all_gather_outputs(1)])
         return per_rank
     assert len(calls) == world_size
 
-    shard_numel = sum(p.padded_shard_numel for p in per_rank[0])
+    shard_numel = sum(p.layout.slot_numel for p in per_rank[0])
     blocks = []
     for rank, (output, input, group) in enumerate(calls):
         assert group is mesh.get_group(0)
@@ -160,7 +172,7 @@ def all_gather_round_trip(origs: list[torch.Tensor], mesh: DeviceMesh) -> list[l
         assert input.data_ptr() == output.data_ptr() + rank * shard_numel * output.element_size()
         block, offset = input.clone(), 0
         for fsdp_param, orig in zip(per_rank[rank], origs, strict=True):
-            local, padded = fsdp_param.local_numel, fsdp_param.padded_shard_numel
+            local, padded = fsdp_param.layout.local_numel, fsdp_param.layout.slot_numel
             expected = chunk_of(orig, world_size, rank).flatten()
             assert torch.equal(block[offset : offset + local], expected)
             block[offset + local : offset + padded] = float("nan")
@@ -171,8 +183,8 @@ def all_gather_round_trip(origs: list[torch.Tensor], mesh: DeviceMesh) -> list[l
     gathered = torch.stack(blocks)
     for rank, (output, _, _) in enumerate(calls):
         output.view(world_size, shard_numel).copy_(gathered)
-        copy_out(
-            results[rank], [out for p in per_rank[rank] for out in p.all_gather_outputs(world_size)]
+        results[rank].copy_out(
+            [out for p in per_rank[rank] for out in p.all_gather_outputs(world_size)]
         )
     return per_rank
 
@@ -225,9 +237,10 @@ def test_sharded_param_is_torch_chunk(
             assert param.shape == orig.shape and param.stride() == orig.stride()
             expected = chunk_of(orig, world_size, rank)
             assert torch.equal(param.to_local(), expected)
-            assert fsdp_param.local_numel == expected.numel()
+            assert fsdp_param.layout.local_numel == expected.numel()
             row_numel = math.prod(orig.shape[1:])
-            assert fsdp_param.padded_shard_numel == chunk_rows(orig.size(0), world_size) * row_numel
+            slot = chunk_rows(orig.size(0), world_size) * row_numel
+            assert fsdp_param.layout.slot_numel == slot
 
 
 @settings(max_examples=50, deadline=None)
@@ -271,8 +284,8 @@ def test_chunk_cat_lays_out_chunk_k_in_row_k(
     mesh = meshes[world_size]
     grads = random_tensors(shape_list, dtype, seed)
     per_rank = [build_params(grads, mesh, rank) for rank in range(world_size)]
-    padded = [p.padded_shard_numel for p in per_rank[0]]
-    assert all([p.padded_shard_numel for p in params] == padded for params in per_rank)
+    padded = [p.layout.slot_numel for p in per_rank[0]]
+    assert all([p.layout.slot_numel for p in params] == padded for params in per_rank)
 
     out = torch.full((world_size, sum(padded)), float("nan"), dtype=dtype)
     chunk_cat_(grads, world_size, out=out)
@@ -280,7 +293,7 @@ def test_chunk_cat_lays_out_chunk_k_in_row_k(
         slots = out[rank].split(padded)
         for fsdp_param, grad, slot in zip(per_rank[rank], grads, slots, strict=True):
             expected = chunk_of(grad, world_size, rank).flatten()
-            assert torch.equal(slot[: fsdp_param.local_numel], expected)
+            assert torch.equal(slot[: fsdp_param.layout.local_numel], expected)
 
 
 @settings(max_examples=50, deadline=None)
@@ -308,14 +321,7 @@ def test_reduce_scatter_gives_each_rank_its_chunk_of_the_mean(
     plan = divide_plan("gloo", dtype, world_size)  # a mean over the ranks
     with recording("reduce_scatter_single") as calls:
         results = [
-            reduce_scatter(
-                params,
-                grads,
-                collectives_for(mesh.get_group(0), "cpu"),
-                world_size,
-                plan,
-                SyncComm(),
-            )  # type: ignore[arg-type]
+            reduce_scatter(params, grads, mesh, plan)
             for params, grads in zip(per_rank, grads_per_rank, strict=True)
         ]
     if world_size == 1:  # a world of one rank exchanges nothing: the input is the output
@@ -366,9 +372,7 @@ def test_reduce_scatter_with_zero_row_gradient(meshes: dict[int, DeviceMesh]) ->
     grads = random_tensors(shapes_, torch.float32, 1)
     plan = divide_plan("gloo", torch.float32, 4)
     with recording("reduce_scatter_single") as calls:
-        result = reduce_scatter(
-            params, grads, collectives_for(mesh.get_group(0), "cpu"), 4, plan, SyncComm()
-        )  # type: ignore[arg-type]
+        result = reduce_scatter(params, grads, mesh, plan)
     output, input, _ = calls[0]
     output.copy_(input.view(4, -1)[0] * 4)  # every rank sent the same gradients
     average(result)
@@ -415,27 +419,20 @@ def test_mixed_dtypes_in_one_group(meshes: dict[int, DeviceMesh]) -> None:
     fully_shard(other, mesh=meshes[1], mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32))
 
 
-def test_replicated_gradients_follow_the_sharded_ones_in_a_world_of_one(
+def test_whole_gradients_follow_the_sharded_ones_in_a_world_of_one(
     meshes: dict[int, DeviceMesh],
 ) -> None:
-    """With min_numel_to_shard, a world of one still packs the replicated
-    gradient after the sharded ones (no collective) and assigns both whole."""
+    """With min_numel_to_shard, a world of one still packs the whole
+    parameter's gradient after the sharded ones (no collective) and assigns both."""
     mesh = meshes[1]
     info = mesh_info(mesh, 0)
     origs = random_tensors([(5, 3), (4,)], torch.float32, 0)
-    params = [
-        FSDPParam(
-            nn.Parameter(t.clone()), f"p{i}", [], info, CPU, NO_MP, NO_OFFLOAD, replicated=i == 1
-        )
-        for i, t in enumerate(origs)
-    ]
+    params = [build_param(t, f"p{i}", info, whole=i == 1) for i, t in enumerate(origs)]
     assert params[1].sharded_param.placements == (Replicate(),)
     grads = random_tensors([(5, 3), (4,)], torch.float32, 1)
     plan = divide_plan("gloo", torch.float32, 1)
     with recording("reduce_scatter_single") as calls:
-        result = reduce_scatter(
-            params, grads, collectives_for(mesh.get_group(0), "cpu"), 1, plan, SyncComm()
-        )  # type: ignore[arg-type]
+        result = reduce_scatter(params, grads, mesh, plan)
     assert calls == []
     assert result.output.numel() == 5 * 3 + 4
     average(result)

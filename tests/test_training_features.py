@@ -115,7 +115,7 @@ def _groups(model: nn.Module) -> list[fsdp2.FSDPModule]:
 
 def _sharded_states(model: nn.Module) -> dict[str, ShardedState]:
     return {
-        m._fsdp_state.param_groups[0].fqn or "<root>": m._fsdp_state.param_groups[0].sharded_state
+        m._fsdp_state.param_groups[0].name: m._fsdp_state.param_groups[0].sharded_state
         for m in _groups(model)
     }
 

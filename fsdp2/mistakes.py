@@ -27,19 +27,12 @@ from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .common import MeshInfo, device_from_mesh, eager_hook
+from .markers import DATA_PARALLEL, IGNORED, SHARDED, SHARDED_AS
 from .private_api import local_tensor
-from .validate import FSDP_SHARDED, SHARDED_AS
 
 if TYPE_CHECKING:
     from .param_group import FSDPParamGroup
 
-# Set on the parameters passed as ``ignored_params``: plain on purpose, the
-# user's to synchronize.
-IGNORED = "_fsdp2_ignored"
-# Set at lazy init on each sharded parameter: the data-parallel axes it is
-# sharded and replicated over, which the plain parameters of its optimizer must
-# agree across.
-DATA_PARALLEL = "_fsdp2_data_parallel"
 # Set on an optimizer once it passed its first-step checks.
 _CHECKED = "_fsdp2_checked"
 # Checksums of identical tensors may differ in the last bits when ranks sum them
@@ -56,7 +49,7 @@ def mark_ignored(params: Iterable[nn.Parameter]) -> None:
 
 
 def at_lazy_init(groups: list[FSDPParamGroup]) -> None:
-    """The root's one-time checks (collective where HSDP or replicated
+    """The root's one-time checks (collective where HSDP or whole
     parameters exist, the same path on every rank)."""
     install_optimizer_check()
     for group in groups:
@@ -79,7 +72,7 @@ def check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) ->
         return
     named = _named_params(optimizer)
     _refuse_replaced(named)
-    sharded = [p for _, p in named if p.__dict__.get(FSDP_SHARDED)]
+    sharded = [p for _, p in named if p.__dict__.get(SHARDED)]
     plain = [
         (name, p)
         for name, p in named
@@ -164,22 +157,23 @@ def check_replicas(groups: list[FSDPParamGroup]) -> None:
     for group in groups:
         info = group.mesh_info
         for p in group.fsdp_params:
-            if (info.replicate_group is None or p.replica is not None) and not p.replicated:
+            whole, piece = p.layout.whole, p.layout.piece
+            if not whole and (info.replicate_group is None or piece is not None):
                 continue  # a shard (or a piece across replicas) of its own: nothing to agree with
             local = local_tensor(p.sharded_param)
             if type(local) is not torch.Tensor:
                 continue  # a subclass (float8, NF4) may not sum: not checked
             key = (id(info.shard_group), id(info.replicate_group))
-            by_mesh.setdefault(key, []).append((info, p.fqn, local, p.replicated))
+            by_mesh.setdefault(key, []).append((info, p.fqn, local, whole))
     for params in by_mesh.values():
         info = params[0][0]
         local = torch.stack([_checksums(t) for _, _, t, _ in params])
         gathered = _gather(local.to(device_from_mesh(info.mesh)), info).cpu()  # (S, R, n, 4)
         differ = [
             bool(_differ(gathered.flatten(0, 1)[:, i], dim=0))
-            if replicated
+            if whole
             else bool(_differ(gathered[:, :, i], dim=1).any())
-            for i, (_, _, _, replicated) in enumerate(params)
+            for i, (_, _, _, whole) in enumerate(params)
         ]
         names = [repr(fqn) for (_, fqn, _, _), bad in zip(params, differ, strict=True) if bad]
         if not names:

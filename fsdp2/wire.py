@@ -1,4 +1,4 @@
-"""Communication compression: the policy, and the quantizers as plain torch ops.
+"""The wire formats of ``CompressionPolicy``: the quantizers, as plain torch ops.
 
 [Note: wire formats]
 Only what travels is compressed; sharded parameters, gradients and optimizer
@@ -31,69 +31,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import torch
 
-WEIGHT_SETTINGS = (None, "int8")
-GRADIENT_SETTINGS = (None, "bf16", "int8")
-ACROSS_SETTINGS = ("all", "replicate")
 NONFINITE_CODE = -128  # int8 code of a nan or inf value; the others use [-127, 127]
-
-
-@dataclass(frozen=True)
-class CompressionPolicy:
-    """What ``fully_shard`` compresses on the wire (see docs/usage.md).
-
-    Args:
-        weights: ``"int8"``: each rank's shard is quantized blockwise and
-            all-gathered as bytes, dequantized into ``param_dtype`` at the
-            copy-out; the sharded parameters stay as they are. (Default: None)
-        gradients: ``"bf16"`` or ``"int8"``: the reduce-scatter becomes an
-            all-to-all of the compressed rows of its input, summed in fp32 by
-            the receiving rank, then averaged as before. (Default: None)
-        block_size: values per int8 block (one fp32 scale each). (Default: 256)
-        across: ``"all"`` compresses every collective named above;
-            ``"replicate"`` only across HSDP replicas (the slow link).
-            (Default: "all")
-    """
-
-    weights: str | None = None
-    gradients: str | None = None
-    block_size: int = 256
-    across: str = "all"
-
-    def __post_init__(self) -> None:
-        _check_choice("weights", self.weights, WEIGHT_SETTINGS)
-        _check_choice("gradients", self.gradients, GRADIENT_SETTINGS)
-        _check_choice("across", self.across, ACROSS_SETTINGS)
-        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int):
-            raise TypeError(
-                "CompressionPolicy(block_size=...) expects an int, got "
-                f"{type(self.block_size).__name__}. Pass e.g. block_size=256."
-            )
-        if self.block_size < 1:
-            raise ValueError(
-                f"CompressionPolicy(block_size=...) must be at least 1, got {self.block_size}. "
-                "Pass e.g. block_size=256 (one fp32 scale per 256 values)."
-            )
-
-    @property
-    def enabled(self) -> bool:
-        return self.weights is not None or self.gradients is not None
-
-
-def _check_choice(field: str, value: object, choices: tuple[str | None, ...]) -> None:
-    if value is not None and not isinstance(value, str):
-        raise TypeError(
-            f"CompressionPolicy({field}=...) expects one of {choices}, got "
-            f"{type(value).__name__} {value!r}."
-        )
-    if value not in choices:
-        raise ValueError(
-            f"CompressionPolicy({field}=...) must be one of {choices}, got {value!r}. "
-            f"Pass e.g. {field}={choices[-1]!r}."
-        )
 
 
 def num_blocks(numel: int, block_size: int) -> int:

@@ -1,162 +1,20 @@
-"""Argument checks for ``fully_shard``: user mistakes fail here, before any state changes."""
+"""The checks ``fully_shard`` makes of each parameter it is given (arguments.py
+runs them, before anything is built): what it is, where it is, how it may be
+sharded."""
 
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .common import MeshInfo, SpmdAxes, strided_layout_matches
-from .compression import CompressionPolicy
 from .extension import POST_ALL_GATHER, PRE_ALL_GATHER
-from .mesh import MeshInfos, ShardPlacementResult
-from .policy import MixedPrecisionPolicy, OffloadPolicy
+from .markers import SHARDED, SHARDED_AS
+from .mesh import MeshInfos, ShardPlacementResult, resolve_mesh
+from .policy import MixedPrecisionPolicy
 from .private_api import concatenate_meshes
-
-# Set on an original parameter when it is sharded: a later fully_shard call
-# that meets the same object (tied to a module outside that group) refuses it.
-SHARDED_AS = "_fsdp2_sharded_as"
-# Set on every sharded parameter fully_shard makes, to refuse sharding it again.
-FSDP_SHARDED = "_fsdp2_sharded"
-
-
-def check_module(module: nn.Module) -> None:
-    if not isinstance(module, nn.Module):
-        raise TypeError(
-            f"fully_shard expects an nn.Module, got {type(module).__name__}. "
-            "Pass the module whose parameters should form one communication group."
-        )
-    # An instance attribute counts: torch.compile(module) sets its forward that way.
-    if type(module).forward is nn.Module.forward and "forward" not in module.__dict__:
-        raise ValueError(
-            "fully_shard does not support containers that do not implement forward: "
-            f"{type(module).__name__} has none, so its hooks would never run. Call "
-            "fully_shard on each child instead (e.g. `for block in model.layers: "
-            "fully_shard(block)`) and then on the parent."
-        )
-    if "_fsdp_state" in module.__dict__:
-        raise ValueError(
-            f"{type(module).__name__} is already sharded by fully_shard. Call fully_shard "
-            "once per module, bottom-up (children first, then the root)."
-        )
-
-
-def resolve_mesh(mesh: DeviceMesh | None, full_spmd_mesh: bool = False) -> DeviceMesh:
-    """``mesh`` checked (or the default); with ``dp_mesh_dims`` (``full_spmd_mesh``)
-    it may have any number of axes."""
-    if mesh is None:
-        if not dist.is_initialized():
-            raise RuntimeError(
-                "fully_shard(mesh=None) builds a mesh over the default process group, but "
-                "torch.distributed is not initialised. Call "
-                "torch.distributed.init_process_group() first, or pass mesh=..."
-            )
-        # Runtime check too: a CUDA build on a host without a GPU shards on the CPU.
-        accelerator = torch.accelerator.current_accelerator(check_available=True)
-        device_type = accelerator.type if accelerator is not None else "cpu"
-        return init_device_mesh(device_type, (dist.get_world_size(),))
-    if not isinstance(mesh, DeviceMesh):
-        raise TypeError(
-            f"fully_shard expects mesh to be a DeviceMesh, got {type(mesh).__name__}. Build "
-            "one with torch.distributed.device_mesh.init_device_mesh(device_type, (world_size,))."
-        )
-    if full_spmd_mesh:
-        return mesh
-    if mesh.ndim not in (1, 2):
-        raise ValueError(
-            f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh}, {mesh.ndim}D with shape "
-            f"{tuple(mesh.shape)}: 1D shards over it (FSDP), 2D replicates over axis 0 and "
-            "shards over axis 1 (HSDP). Pass the data-parallel sub-mesh, e.g. mesh['dp'] or "
-            "mesh['dp_replicate', 'dp_shard']."
-        )
-    if mesh.ndim == 2 and mesh.mesh_dim_names is None:
-        # AssertionError, as torch's fully_shard raises for this.
-        raise AssertionError(
-            "Please init the 2D mesh for HSDP with mesh_dim_names specified, e.g. "
-            "init_device_mesh(device_type, (replicas, shards), mesh_dim_names=('replicate', "
-            "'shard')): the names say which axis replicates and which shards."
-        )
-    return mesh
-
-
-def check_reshard_after_forward(value: object, world_size: int) -> None:
-    if value is None or isinstance(value, bool):
-        return
-    if not isinstance(value, int):
-        raise TypeError(
-            f"reshard_after_forward must be True, False, None or an int, got {value!r}. "
-            "None reshards every group but the root's."
-        )
-    if value < 1 or world_size % value:
-        raise ValueError(
-            f"reshard_after_forward={value} must divide the mesh size {world_size}: it is "
-            "the size of the rank groups that keep a shard after forward (e.g. the ranks of "
-            "one node)."
-        )
-
-
-def check_mesh_spans_world(mesh: DeviceMesh, value: int) -> None:
-    """``reshard_after_forward=<int>`` builds its small groups with every rank of
-    the world taking part (process groups are created collectively), which
-    only a mesh over the whole world can describe."""
-    if mesh.mesh.numel() != dist.get_world_size():
-        raise ValueError(
-            f"reshard_after_forward={value} needs a mesh over every rank of the world, but "
-            f"the mesh has {mesh.mesh.numel()} of {dist.get_world_size()} ranks (a slice such "
-            "as mesh['dp'] next to tensor parallelism, or a sub-mesh). Pass True or False "
-            "for this module."
-        )
-
-
-def check_policies(mp_policy: object, offload_policy: object) -> None:
-    if not isinstance(mp_policy, MixedPrecisionPolicy):
-        raise TypeError(
-            f"mp_policy must be an fsdp2.MixedPrecisionPolicy, got {type(mp_policy).__name__}."
-        )
-    if not isinstance(offload_policy, OffloadPolicy):
-        raise TypeError(
-            "offload_policy must be fsdp2.OffloadPolicy() or fsdp2.CPUOffloadPolicy(), got "
-            f"{type(offload_policy).__name__}."
-        )
-
-
-def check_compression(compression: object, mesh_info: MeshInfo) -> None:
-    """``compression`` is a ``CompressionPolicy`` this mesh can use."""
-    if not isinstance(compression, CompressionPolicy):
-        raise TypeError(
-            "compression must be an fsdp2.CompressionPolicy, got "
-            f"{type(compression).__name__}. Pass e.g. "
-            "compression=CompressionPolicy(weights='int8', gradients='bf16')."
-        )
-    compresses = compression.weights is not None or compression.gradients is not None
-    if compresses and mesh_info.shard_over_replicas:
-        raise ValueError(
-            f"{compression} together with shard_optimizer_over_replicas=True is not supported "
-            "yet: the reduce-scatter and all-gather across replicas are not compressed. Use "
-            "one of the two, e.g. CompressionPolicy(gradients='bf16', across='replicate') with "
-            "plain HSDP."
-        )
-    if compression.across != "replicate":
-        return
-    if mesh_info.replicate_group is None:
-        raise ValueError(
-            "CompressionPolicy(across='replicate') compresses only the all-reduce across HSDP "
-            "replicas, but this mesh has no replicate axis (a 1D mesh). Pass a 2D mesh "
-            "(replicate, shard), or across='all'."
-        )
-    if compression.weights is not None:
-        raise ValueError(
-            f"CompressionPolicy(weights={compression.weights!r}, across='replicate'): the "
-            "all-gather runs inside one replica, never across replicas, so across='replicate' "
-            "has no weights to compress. Pass weights=None, or across='all'."
-        )
-    if compression.gradients is None:
-        raise ValueError(
-            "CompressionPolicy(across='replicate') without gradients=... compresses nothing. "
-            "Pass gradients='bf16' or 'int8'."
-        )
 
 
 def check_params(
@@ -292,7 +150,7 @@ def _check_shard_or_replicate(fqn: str, param: DTensor) -> None:
 def _check_tp_param(fqn: str, param: DTensor, mesh: DeviceMesh) -> None:
     """A DTensor parameter is a tensor-parallel one: sharded or replicated over
     axes orthogonal to ``mesh`` (see [Note: FSDP over tensor parallelism])."""
-    if param.__dict__.get(FSDP_SHARDED):
+    if param.__dict__.get(SHARDED):
         raise ValueError(
             f"fully_shard: parameter {fqn!r} is already a DTensor sharded by fully_shard on a "
             "parent module. Call fully_shard bottom-up: each child first, then its parent."
@@ -386,32 +244,6 @@ def shard_placements(
             )
         placements.append((dim, mesh_info))
     return placements
-
-
-def check_min_numel_to_shard(value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"min_numel_to_shard must be an int (a number of elements), got {value!r}.")
-    if value < 0:
-        raise ValueError(f"min_numel_to_shard must be >= 0, got {value}. 0 shards every parameter.")
-
-
-def check_shard_over_replicas_mesh(mesh: DeviceMesh, dp_mesh_dims: object) -> None:
-    """``shard_optimizer_over_replicas`` needs an HSDP mesh passed as ``mesh``."""
-    if dp_mesh_dims is not None:
-        raise ValueError(
-            "fully_shard(shard_optimizer_over_replicas=True) does not support dp_mesh_dims "
-            "(parameters that are already DTensors on a larger mesh). Pass a 2D "
-            "(replicate, shard) mesh as mesh without dp_mesh_dims, or leave "
-            "shard_optimizer_over_replicas off."
-        )
-    if mesh.ndim != 2:
-        raise ValueError(
-            "fully_shard(shard_optimizer_over_replicas=True) needs a 2D (replicate, shard) "
-            f"mesh (HSDP), got a {mesh.ndim}D mesh of shape {tuple(mesh.shape)}. A 1D mesh "
-            "already shards parameters and optimizer state over every rank: leave "
-            "shard_optimizer_over_replicas off, or pass init_device_mesh(device, (R, S), "
-            'mesh_dim_names=("replicate", "shard")).'
-        )
 
 
 def check_param_over_replicas(

@@ -1,0 +1,222 @@
+"""The all-gather of a param group, as a variant the group picks once
+(comms.py) and calls without asking which it is.
+
+Layout (W = world size of the all-gather, see [Note: the padded layout] in
+layout.py): ``all_gather_output`` is 1D, ``W * block_numel`` long, rank k's
+*block* at ``k * block_numel``; inside a block, slot i is the i-th input's,
+at the same offset on every rank. ``all_gather_input`` is this rank's block
+of the output (gathered in place). A slot is ``(elements, dtype)``; when the
+slots do not share a float dtype the buffer is ``uint8`` and every slot is
+counted in bytes.
+
+Variants:
+
+- ``AllGatherComm``: the inputs copied (cast to their slots' dtypes) into
+  this rank's block, all-gathered by the ``Collectives`` it holds (fsdp2's or
+  torch's, or the user's from ``set_custom_all_gather``, custom_comm.py), and
+  copied out with one fused split.
+- ``Int8AllGather``: the inputs quantized into one row of bytes first
+  (compressed.py), dequantized at the copy-out.
+- over_replicas.py's ``ChunkAllGather``: the inputs are the chunks kept from
+  an all-gather across the replicas.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+
+from .comm import ALL_GATHER, CommContext, CommKind, InFlight
+from .compressed import Int8Rows, all_gather_row, copy_out_int8
+from .primitives import Collectives
+from .private_api import foreach_copy_
+
+if TYPE_CHECKING:
+    from .param import FSDPParam
+
+Slot = tuple[int, torch.dtype]  # (elements, dtype) of one input in a rank's block
+
+
+class AllGatherInputs(NamedTuple):
+    """What this rank contributes to one all-gather."""
+
+    tensors: list[torch.Tensor]  # flat, each at most its slot long
+    slots: list[Slot]
+    # Per slot: whether a compressed all-gather may round it (an extension's
+    # inputs travel as their own bytes).
+    plain: tuple[bool, ...]
+
+    @property
+    def block_numel(self) -> int:
+        """This rank's block, in the buffer's units (what the order check compares)."""
+        if all_gather_dtype([dtype for _, dtype in self.slots]) is torch.uint8:
+            return sum(n * dtype.itemsize for n, dtype in self.slots)
+        return sum(n for n, _ in self.slots)
+
+
+class AllGatherInFlight(NamedTuple):
+    all_gather_output: torch.Tensor  # 1D, W blocks
+    in_flight: InFlight
+    # The copy-out of the variant that issued it: (all_gather_output, outputs).
+    copy_out_of: Callable[[torch.Tensor, list[torch.Tensor]], None]
+
+    def copy_out(self, outputs: list[torch.Tensor]) -> None:
+        """Scatters the finished all-gather into ``outputs`` (one per slot,
+        rank-major: row k receives rank k's slot)."""
+        if outputs:
+            self.copy_out_of(self.all_gather_output, outputs)
+
+
+# Dtypes the all-gather buffer may have when every slot shares it; anything
+# else (float8, integer data of quantized weights, a mix of dtypes) travels as
+# bytes. gloo has no float8 at all, and moving bytes is all an all-gather does.
+_TYPED_BUFFER_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def all_gather_dtype(slot_dtypes: list[torch.dtype]) -> torch.dtype:
+    """The dtype of an all-gather buffer: its slots' if they share a common
+    float dtype, else ``torch.uint8`` (slots counted in bytes)."""
+    dtypes = set(slot_dtypes)
+    if len(dtypes) == 1 and (dtype := dtypes.pop()) in _TYPED_BUFFER_DTYPES:
+        return dtype
+    return torch.uint8
+
+
+def as_buffer_dtype(tensor: torch.Tensor, buffer_dtype: torch.dtype) -> torch.Tensor:
+    """``tensor`` seen in the buffer's units: itself, or its bytes."""
+    if buffer_dtype is torch.uint8 and tensor.dtype is not torch.uint8:
+        return tensor.view(torch.uint8)
+    return tensor
+
+
+def params_inputs(params: list[FSDPParam]) -> AllGatherInputs:
+    """The parameters' own inputs: their local shards, or what an extension's
+    ``fsdp_pre_all_gather`` returns."""
+    tensors = [x for p in params for x in p.all_gather_inputs()]
+    slots = [slot for p in params for slot in p.all_gather_slots]
+    plain = tuple(p.extension is None for p in params for _ in p.all_gather_slots)
+    return AllGatherInputs(tensors, slots, plain)
+
+
+class AllGatherComm:
+    """The plain all-gather over one process group (``collectives``), this rank
+    being ``rank`` of ``world_size``. ``exchanges``: False for a world of one,
+    whose input is the whole output (nothing is issued)."""
+
+    def __init__(
+        self,
+        collectives: Collectives,
+        rank: int,
+        world_size: int,
+        exchanges: bool,
+        kind: CommKind = ALL_GATHER,
+    ) -> None:
+        self.collectives = collectives
+        self.rank = rank
+        self.world_size = world_size
+        self.exchanges = exchanges
+        self.kind = kind
+
+    def inputs(self, params: list[FSDPParam], comm: CommContext, name: str) -> AllGatherInputs:
+        """What this rank contributes for ``params`` (a group's sharded ones)."""
+        return params_inputs(params)
+
+    @torch.no_grad()
+    def gather(self, inputs: AllGatherInputs, comm: CommContext, name: str) -> AllGatherInFlight:
+        """Copies the inputs into this rank's block of a new buffer and starts
+        the all-gather."""
+        slots = inputs.slots
+        buffer_dtype = all_gather_dtype([dtype for _, dtype in slots])
+        tensors = inputs.tensors
+        if buffer_dtype is torch.uint8:
+            tensors = [
+                as_buffer_dtype(x.to(dtype), buffer_dtype)
+                for x, (_, dtype) in zip(tensors, slots, strict=True)
+            ]
+            slot_numels = [numel * dtype.itemsize for numel, dtype in slots]
+        else:
+            slot_numels = [numel for numel, _ in slots]
+        block_numel = sum(slot_numels)
+        all_gather_output = self.collectives.allocate(
+            self.world_size * block_numel, buffer_dtype, comm.device
+        )
+        if not tensors:  # every parameter of the group is kept whole
+            return AllGatherInFlight(all_gather_output, comm.done_here(), self.copy_out)
+        all_gather_input = all_gather_output.narrow(0, self.rank * block_numel, block_numel)
+        split_sizes = []  # alternating [data, padding]: the padding slots are never read
+        for x, slot_numel in zip(tensors, slot_numels, strict=True):
+            split_sizes += [x.numel(), slot_numel - x.numel()]
+        # Accelerators: from pinned CPU shards (offload) the copy does not block the host.
+        foreach_copy_(
+            all_gather_input.split_with_sizes(split_sizes)[::2],
+            tensors,
+            non_blocking=comm.uses_streams,
+        )
+        if not self.exchanges:  # the input is the whole output
+            return AllGatherInFlight(all_gather_output, comm.done_here(), self.copy_out)
+        collectives = self.collectives
+        in_flight = comm.issue(
+            self.kind,
+            name,
+            all_gather_output.numel() * all_gather_output.element_size(),
+            lambda async_op: collectives.all_gather(all_gather_output, all_gather_input, async_op),
+        )
+        return AllGatherInFlight(all_gather_output, in_flight, self.copy_out)
+
+    @torch.no_grad()
+    def copy_out(self, all_gather_output: torch.Tensor, outputs: list[torch.Tensor]) -> None:
+        """One fused copy of the W blocks into ``outputs``, each rank-major
+        (``ShardLayout.rank_major``): rank k's slot goes to row k."""
+        buffer_dtype = all_gather_output.dtype
+        outputs = [as_buffer_dtype(out, buffer_dtype) for out in outputs]
+        world_size = outputs[0].size(0)
+        gathered = all_gather_output.view(world_size, -1)
+        slot_numels = [out.numel() // world_size for out in outputs]
+        # A parameter sharded on a dim > 0 has a strided (W, pre, chunk, post)
+        # view, which the fused copy cannot write: it gets a (W, slot) buffer of
+        # its own, copied into the view after (the others stay fused).
+        staged = [
+            out if out.dim() == 2 else out.new_empty(world_size, n)
+            for out, n in zip(outputs, slot_numels, strict=True)
+        ]
+        torch.split_with_sizes_copy(gathered, slot_numels, dim=1, out=staged)
+        for stage, out in zip(staged, outputs, strict=True):
+            if stage is not out:
+                out.copy_(stage.view(out.shape))
+
+
+class Int8AllGather(AllGatherComm):
+    """int8 weights (``CompressionPolicy(weights="int8")``): this rank's plain
+    inputs quantized blockwise into one row of bytes (``Int8Rows``: scales,
+    codes, then an extension's slots as they are), which the plain all-gather
+    moves; the copy-out dequantizes each rank's row into the outputs, in
+    their dtype."""
+
+    def __init__(
+        self,
+        collectives: Collectives,
+        rank: int,
+        world_size: int,
+        exchanges: bool,
+        block_size: int,
+        kind: CommKind = ALL_GATHER,
+    ) -> None:
+        super().__init__(collectives, rank, world_size, exchanges, kind)
+        self.block_size = block_size
+
+    @torch.no_grad()
+    def gather(self, inputs: AllGatherInputs, comm: CommContext, name: str) -> AllGatherInFlight:
+        if not inputs.tensors:
+            return super().gather(inputs, comm, name)
+        rows = Int8Rows(inputs.plain, tuple(inputs.slots), self.block_size)
+        row = all_gather_row(inputs.tensors, rows, comm.device)
+        gathered = super().gather(
+            AllGatherInputs([row], [(rows.row_bytes, torch.uint8)], (False,)), comm, name
+        )
+
+        def copy_out(output: torch.Tensor, outputs: list[torch.Tensor]) -> None:
+            copy_out_int8(output, rows, outputs)
+
+        return gathered._replace(copy_out_of=copy_out)

@@ -1,0 +1,20 @@
+"""The attributes fsdp2 sets on tensors it does not own: each marks one fact
+about a user's parameter, set in one place and read in another. Reading one
+is a dictionary lookup, free for parameters that carry none.
+
+- ``SHARDED``: a sharded parameter ``fully_shard`` made (it refuses to
+  shard it again; the optimizer check tells it from a plain one).
+- ``SHARDED_AS``: an original parameter that ``fully_shard`` replaced, with
+  where (a later call, or an optimizer holding it, is refused).
+- ``IGNORED``: passed as ``ignored_params``: plain on purpose.
+- ``DATA_PARALLEL``: the ``MeshInfo`` a sharded parameter is sharded over
+  (set at lazy init, for the optimizer check).
+- ``KEPT_CHUNK``: ``shard_optimizer_over_replicas``: the kept chunk a piece
+  built (over_replicas.py), marked stale when an optimizer steps it.
+"""
+
+SHARDED = "_fsdp2_sharded"
+SHARDED_AS = "_fsdp2_sharded_as"
+IGNORED = "_fsdp2_ignored"
+DATA_PARALLEL = "_fsdp2_data_parallel"
+KEPT_CHUNK = "_fsdp2_kept_chunk"

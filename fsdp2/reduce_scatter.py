@@ -1,0 +1,228 @@
+"""The gradient reduce-scatter of a param group, as a variant the group picks
+once (comms.py) and calls without asking which it is.
+
+Layout (W = shard world size, see [Note: the padded layout] in layout.py):
+``reduce_scatter_input`` is ``(W, block_numel)``, row k holding chunk k of
+every gradient, padded to its slot; ``reduce_scatter_output`` is this rank's
+row after the reduction, followed by the whole gradients of the parameters
+kept whole (``min_numel_to_shard``), which are all-reduced there, so that a
+stage across HSDP replicas (replica_stage.py) covers both.
+
+Variants:
+
+- ``ReduceScatterComm``: the rows reduce-scattered by the ``Collectives`` it
+  holds (fsdp2's or torch's, or the user's from ``set_custom_reduce_scatter``)
+  with the divide plan's op.
+- ``AllToAllReduceScatter``: compressed gradients; the rows go by one
+  all-to-all, compressed, and are added in fp32 by their receiver
+  (compressed.py); the output is then fp32.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+
+from .comm import ALL_REDUCE, REDUCE_SCATTER, CommContext, InFlight
+from .compressed import GradientWire, encode_rows, exchange
+from .divide import DividePlan
+from .primitives import Collectives
+from .private_api import chunk_cat_, profiled
+
+if TYPE_CHECKING:
+    from .param import FSDPParam
+
+
+class ReduceInFlight(NamedTuple):
+    """A gradient reduction between two of its stages: the reduce-scatter
+    inside the shard group, then the stage across HSDP replicas."""
+
+    fsdp_params: list[FSDPParam]  # those whose gradients are reduced, in buffer order
+    # Per parameter: its slot's elements in ``output`` and the shape of its rows
+    # there (the local shard's; the shard group's chunk before a stage that
+    # splits it across replicas).
+    slots: list[tuple[int, torch.Size]]
+    buffers: tuple[torch.Tensor, ...]  # read or written by the collective: kept until waited
+    output: torch.Tensor  # 1D, the slots in order
+    plan: DividePlan  # the ops of its collectives, the division left after them
+    in_flight: tuple[InFlight, ...]  # the collectives of this stage
+    # Accelerators, HSDP: the stage across replicas, issued right after the
+    # reduce-scatter (ordered after its event), waited for at the end of backward.
+    across: ReduceInFlight | None = None
+
+    def wait(self) -> None:
+        for in_flight in self.in_flight:
+            in_flight.wait()
+
+    def views(self, output: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """Each parameter's rows of ``output`` (the reduction's own by default),
+        unpadded and shaped."""
+        output = self.output if output is None else output
+        parts = output.split_with_sizes([numel for numel, _ in self.slots])
+        return [
+            part[: shape.numel()].view(shape)
+            for part, (_, shape) in zip(parts, self.slots, strict=True)
+        ]
+
+
+class ReduceScatterComm:
+    """The plain reduce-scatter over the shard group (``collectives``) of
+    ``world_size`` ranks. ``exchanges``: False for a world of one, whose
+    input is the whole output (nothing is issued)."""
+
+    def __init__(self, collectives: Collectives, world_size: int, exchanges: bool) -> None:
+        self.collectives = collectives
+        self.world_size = world_size
+        self.exchanges = exchanges
+
+    def sum_dtype(self, reduce_dtype: torch.dtype) -> torch.dtype:
+        """The dtype the ranks' gradients are summed in (the divide plan's)."""
+        return reduce_dtype
+
+    @torch.no_grad()
+    def start(
+        self,
+        fsdp_params: list[FSDPParam],
+        unsharded_grads: list[torch.Tensor],
+        plan: DividePlan,
+        comm: CommContext,
+        name: str,
+    ) -> ReduceInFlight:
+        """Packs the gradients (unsharded-shaped) rank-major and starts the
+        reduce-scatter with ``plan``'s op, dividing the input first if ``plan``
+        says so; the whole parameters' gradients are packed after it and
+        all-reduced with the same op.
+
+        The gradients may be in the parameters' dtype: packing casts them to
+        the reduce dtype, so no reduce-dtype copy of a whole gradient is made
+        (with bf16 parameters and fp32 reduction: 2 + 4 bytes per element at
+        the peak, not 4 + 4). The caller drops its references to
+        ``unsharded_grads`` afterwards: the packed copies are all the
+        collectives need.
+        """
+        reduce_dtype = fsdp_params[0].reduce_dtype
+        if len({g.dtype for g in unsharded_grads}) > 1:
+            # The fused copy-in takes one dtype (e.g. a zero gradient next to others).
+            unsharded_grads = [g.to(reduce_dtype) for g in unsharded_grads]
+        pairs = list(zip(fsdp_params, unsharded_grads, strict=True))
+        sharded = [(p, g) for p, g in pairs if not p.layout.whole]
+        whole = [(p, g) for p, g in pairs if p.layout.whole]
+        slot_numels = [p.layout.slot_numel for p, _ in sharded]
+        block_numel = sum(slot_numels)
+        whole_numel = sum(g.numel() for _, g in whole)
+        world_size, device = self.world_size, unsharded_grads[0].device
+        reduce_scatter_input = self.collectives.allocate(
+            world_size * block_numel, reduce_dtype, device
+        ).view(world_size, block_numel)
+        # A world of one exchanges nothing: the input is the whole output, unless
+        # whole gradients must follow it.
+        input_is_output = not self.exchanges and not whole
+        if input_is_output:
+            output = reduce_scatter_input.view(-1)
+        else:
+            output = self.collectives.allocate(
+                block_numel + whole_numel, self.sum_dtype(reduce_dtype), device
+            )
+        # Empty gradients have empty slots; the fused copy rejects them. It pads and
+        # chunks dim 0: a gradient sharded on another dim goes in as its rank-major view.
+        rows = [
+            g if p.layout.shard_dim == 0 else p.layout.rank_major(g, world_size) for p, g in sharded
+        ]
+        rows = [g for g in rows if g.numel() > 0]
+        if rows:
+            with profiled("reduce_scatter_copy_in", name):
+                chunk_cat_(rows, world_size, out=reduce_scatter_input)
+                if plan.pre_divisor is not None:
+                    reduce_scatter_input.div_(plan.pre_divisor)
+        in_flight: list[InFlight] = []
+        buffers: tuple[torch.Tensor, ...] = (reduce_scatter_input,)
+        if sharded and self.exchanges:
+            issued, buffers = self._exchange(
+                output.narrow(0, 0, block_numel),
+                reduce_scatter_input,
+                slot_numels,
+                plan,
+                comm,
+                name,
+            )
+            in_flight.append(issued)
+        elif not input_is_output:
+            output.narrow(0, 0, block_numel).copy_(reduce_scatter_input.view(-1))
+        if whole:
+            tail = output.narrow(0, block_numel, whole_numel)
+            if tail.dtype == reduce_dtype:
+                torch.cat([g.reshape(-1) for _, g in whole], out=tail)
+            else:  # summed in fp32 (compressed gradients)
+                tail.copy_(torch.cat([g.reshape(-1) for _, g in whole]))
+            if plan.pre_divisor is not None:
+                tail.div_(plan.pre_divisor)
+            if self.exchanges:
+                collectives, op = self.collectives, plan.reduce_scatter_op
+                in_flight.append(
+                    comm.issue(
+                        ALL_REDUCE,
+                        name,
+                        tail.numel() * tail.element_size(),
+                        lambda async_op: collectives.all_reduce(tail, op, async_op),
+                    )
+                )
+        params = [p for p, _ in sharded + whole]
+        slots = [(p.layout.slot_numel, p.layout.chunk_shape) for p in params]
+        return ReduceInFlight(params, slots, buffers, output, plan, tuple(in_flight))
+
+    def _exchange(
+        self,
+        output: torch.Tensor,
+        reduce_scatter_input: torch.Tensor,
+        slot_numels: list[int],
+        plan: DividePlan,
+        comm: CommContext,
+        name: str,
+    ) -> tuple[InFlight, tuple[torch.Tensor, ...]]:
+        """Starts reducing the rows into ``output``; returns it with the
+        buffers it reads until waited."""
+        collectives, op = self.collectives, plan.reduce_scatter_op
+        issued = comm.issue(
+            REDUCE_SCATTER,
+            name,
+            reduce_scatter_input.numel() * reduce_scatter_input.element_size(),
+            lambda async_op: collectives.reduce_scatter(
+                output, reduce_scatter_input.view(-1), op, async_op
+            ),
+        )
+        return issued, (reduce_scatter_input,)
+
+
+class AllToAllReduceScatter(ReduceScatterComm):
+    """Compressed gradients (``CompressionPolicy(gradients=...)``): row k of the
+    input, compressed (``wire``), sent to rank k by one all-to-all; the W rows
+    received decoded and added in fp32, in rank order, when waited."""
+
+    def __init__(
+        self, collectives: Collectives, world_size: int, exchanges: bool, wire: GradientWire
+    ) -> None:
+        super().__init__(collectives, world_size, exchanges)
+        self.wire = wire
+
+    def sum_dtype(self, reduce_dtype: torch.dtype) -> torch.dtype:
+        return torch.float32
+
+    def _exchange(
+        self,
+        output: torch.Tensor,
+        reduce_scatter_input: torch.Tensor,
+        slot_numels: list[int],
+        plan: DividePlan,
+        comm: CommContext,
+        name: str,
+    ) -> tuple[InFlight, tuple[torch.Tensor, ...]]:
+        collectives, wire = self.collectives, self.wire
+        sent = encode_rows(reduce_scatter_input, wire.setting, slot_numels, wire.block_size)
+        issued = comm.issue(
+            REDUCE_SCATTER,
+            name,
+            sent.numel() * sent.element_size(),
+            lambda async_op: exchange(output, sent, wire, slot_numels, collectives, async_op),
+        )
+        return issued, (reduce_scatter_input, sent)
