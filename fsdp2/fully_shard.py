@@ -153,9 +153,11 @@ def fully_shard(
             per-parameter copies for no memory saved. (Default: 0, shard all)
         compression: what travels compressed: int8 weights in the all-gather,
             bf16 or int8 gradients in the reduce-scatter (an all-to-all summed
-            in fp32); see ``CompressionPolicy`` and docs/usage.md. Sharded
-            parameters, gradients and optimizer state keep their dtype.
-            (Default: nothing compressed)
+            in fp32) and across HSDP replicas (with
+            ``shard_optimizer_over_replicas``, the all-gather and the
+            reduce-scatter across them too); see ``CompressionPolicy`` and
+            docs/usage.md. Sharded parameters, gradients and optimizer state
+            keep their dtype. (Default: nothing compressed)
         shard_optimizer_over_replicas: HSDP only (a 2D ``mesh``): split each
             sharded parameter again across the replicas, so that the
             optimizer's parameters, gradients and state are 1/(R*S) of it

@@ -220,10 +220,10 @@ class KeptChunks:
             wire = rows[:, column : column + nbytes].reshape(shards * piece.replicas, -1)
             column += nbytes
             (values,) = dequantize_rows(wire, [slot_numel], block_size, out.dtype)
-            values = values.view(shards, piece.replicas, slot_numel)
+            values = values.reshape(shards, piece.replicas, slot_numel)
             # Whole chunks: their pieces fill their slots, so the chunk is the first
             # rows of the R slots together (a shorter chunk's rows are fixed below).
-            out.copy_(values.view(shards, -1)[:, : out.size(1)])
+            out.copy_(values.reshape(shards, -1)[:, : out.size(1)])
             _place_short_pieces(values, out, layout.unsharded_size[0], piece)
 
 

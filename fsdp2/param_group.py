@@ -31,9 +31,9 @@ import torch
 import torch.nn as nn
 
 from .all_gather import AllGatherInFlight, AllGatherInputs, all_gather_dtype, as_buffer_dtype
-from .comm import CommContext
+from .comm import CommContext, InFlight
 from .common import MeshInfo, ShardedState, TrainingState
-from .comms import CommSettings, choose_comms
+from .comms import CommSettings, GroupComms, choose_comms
 from .divide import DividePlan, divide_plan
 from .execution_order import ExecutionOrderCheck
 from .param import FSDPParam
@@ -83,12 +83,7 @@ class FSDPParamGroup:
         self.reshard_after_backward = True
         # The communication variants (comms.py), chosen again when a setting changes.
         self.settings = settings
-        self.comms = choose_comms(
-            mesh_info,
-            self.post_forward_mesh_info,
-            [p.layout for p in self.sharded_params],
-            settings,
-        )
+        self.comms = self._choose_comms(settings, previous=None)
         self.requires_gradient_sync = True
         # Set by FSDPModule methods (module.py), each named after its setter.
         self.unshard_in_backward = True
@@ -120,12 +115,15 @@ class FSDPParamGroup:
         chooses the variants again; raises, changing nothing, if the new
         settings do not go together."""
         settings = self.settings.replace(**changes)
-        layouts = [p.layout for p in self.sharded_params]
-        self.comms = choose_comms(
-            self.mesh_info, self.post_forward_mesh_info, layouts, settings, self.comms
-        )
+        self.comms = self._choose_comms(settings, previous=self.comms)
         self.settings = settings
         self.clear_divide_plan()
+
+    def _choose_comms(self, settings: CommSettings, previous: GroupComms | None) -> GroupComms:
+        layouts = [p.layout for p in self.sharded_params]
+        return choose_comms(
+            self.mesh_info, self.post_forward_mesh_info, layouts, settings, previous
+        )
 
     def fail(self, message: str) -> AssertionError:
         return AssertionError(f"[rank {self.mesh_info.shard_rank}] group {self.name!r}: {message}")
@@ -375,7 +373,7 @@ class FSDPParamGroup:
         return variant.start(taken.fsdp_params, taken.grads, plan, self.root_ctx.comm, self.name)
 
     def start_across_replicas(
-        self, reduced: ReduceInFlight, after: tuple = ()
+        self, reduced: ReduceInFlight, after: tuple[InFlight, ...] = ()
     ) -> ReduceInFlight | None:
         """Starts the replica stage (replica_stage.py) on a reduce-scatter's
         output: finished, or (``after``: its collectives) on accelerators still

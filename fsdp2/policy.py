@@ -69,8 +69,10 @@ class CompressionPolicy:
             the receiving rank, then averaged as before. (Default: None)
         block_size: values per int8 block (one fp32 scale each). (Default: 256)
         across: ``"all"`` compresses every collective named above;
-            ``"replicate"`` only across HSDP replicas (the slow link).
-            (Default: "all")
+            ``"replicate"`` only those across HSDP replicas (the slow link):
+            the gradients' all-reduce there, or with
+            ``shard_optimizer_over_replicas`` the reduce-scatter and the
+            weights' all-gather across them. (Default: "all")
     """
 
     weights: str | None = None

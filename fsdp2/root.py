@@ -9,9 +9,10 @@ and the final callback queued once per backward.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
+import torch.nn as nn
 
 from .comm import CommContext
 from .common import TrainingState, eager_hook
@@ -20,10 +21,15 @@ from .param_group import FSDPParamGroup
 from .private_api import profiled, queue_backward_callback
 from .reduction import ReductionPipeline
 
-if TYPE_CHECKING:
-    from .state import FSDPState
-
 logger = logging.getLogger("fsdp2")
+
+
+class RootedState(Protocol):
+    """What a root reads of each state under it (``FSDPState``, state.py)."""
+
+    param_groups: list[FSDPParamGroup]
+    # The modules of a fully_shard([...]) call still to run in its group's forward.
+    modules_to_run: set[nn.Module]
 
 
 class RootContext:
@@ -31,7 +37,7 @@ class RootContext:
         self.device = device
         self.comm = CommContext(device)
         self.reductions = ReductionPipeline(self)
-        self.states: list[FSDPState] = []  # pre-order from the root
+        self.states: list[RootedState] = []  # pre-order from the root
         # Backward prefetch: the groups in the order their forward ended, this
         # iteration's, and each group's positions in it (one per forward call).
         self.post_forward_order: list[FSDPParamGroup] = []
@@ -43,7 +49,8 @@ class RootContext:
         self.forward_started: set[FSDPParamGroup] = set()
         # The implicit forward prefetch in flight: dropped if another group starts first.
         self.forward_guess: FSDPParamGroup | None = None
-        self.forward_root: FSDPState | None = None  # the state whose forward is running outermost
+        # The state whose forward is running outermost.
+        self.forward_root: RootedState | None = None
         # Between the first pre-backward hook of a backward and its final callback.
         self.backward_running = False
         self.check_execution_order = False  # or TORCH_DISTRIBUTED_DEBUG=DETAIL at lazy init
@@ -116,7 +123,7 @@ class RootContext:
             self.post_forward_order.append(group)
         group.post_forward()
 
-    def finish_partial_forwards(self, forward_root: FSDPState) -> None:
+    def finish_partial_forwards(self, forward_root: RootedState) -> None:
         """End of the outermost forward: a group of several modules of which only
         some ran ends its forward now (see [Note: one group, several modules])."""
         for state in reversed(self.states):  # innermost first, as post-hooks unwind

@@ -1,12 +1,14 @@
 """Per-rank memory and bytes per step of 1D FSDP, HSDP and HSDP with
-``shard_optimizer_over_replicas`` on the same 4 CPU gloo ranks (2 x 2 for
-HSDP), training scripts/llama.py's model with AdamW, bf16 compute and fp32
-reduction (the setting the option is for).
+``shard_optimizer_over_replicas`` (also with compression: int8 weights and
+bf16 gradients everywhere, or across the replicas only) on the same 4 CPU
+gloo ranks (2 x 2 for HSDP), training scripts/llama.py's model with AdamW,
+bf16 compute and fp32 reduction (the setting the option is for).
 
 Per rank 0: tensor bytes of the sharded parameters, their gradients, AdamW's
-states and (with the option) the shard group's chunks kept in bf16, read off
-the tensors after a step; MemTracker's peak over a step; and comm_stats'
-bytes per step inside the shard group and across the replicas.
+states and (with the option) the shard group's chunks kept (bf16 values, or
+int8 codes), read off the tensors after a step; MemTracker's peak over a
+step; and comm_stats' bytes per step inside the shard group and across the
+replicas.
 
     python scripts/bench_replicas.py [--dim 256 --layers 4]
 """
@@ -31,7 +33,23 @@ import llama  # noqa: E402
 
 import fsdp2  # noqa: E402
 
-SETUPS = ("FSDP (4)", "HSDP (2 x 2)", "HSDP (2 x 2), shard_optimizer_over_replicas")
+OVER = "HSDP (2 x 2), shard_optimizer_over_replicas"
+# Each setup's fully_shard arguments besides the mesh and mp_policy.
+SETUPS: dict[str, dict] = {
+    "FSDP (4)": {},
+    "HSDP (2 x 2)": {},
+    OVER: {"shard_optimizer_over_replicas": True},
+    f"{OVER}, int8 weights + bf16 gradients": {
+        "shard_optimizer_over_replicas": True,
+        "compression": fsdp2.CompressionPolicy(weights="int8", gradients="bf16"),
+    },
+    f"{OVER}, the same across replicas only": {
+        "shard_optimizer_over_replicas": True,
+        "compression": fsdp2.CompressionPolicy(
+            weights="int8", gradients="bf16", across="replicate"
+        ),
+    },
+}
 BATCH, SEQ = 2, 64
 
 
@@ -50,11 +68,10 @@ def _run(setup: str, config: llama.LlamaConfig, rank: int) -> dict[str, int]:
         mesh = init_device_mesh("cpu", (4,))
     else:
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-    over = setup.endswith("replicas")
     torch.manual_seed(0)
     model = llama.Llama(config)
     policy = fsdp2.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    kwargs = {"mesh": mesh, "mp_policy": policy, "shard_optimizer_over_replicas": over}
+    kwargs = {"mesh": mesh, "mp_policy": policy, **SETUPS[setup]}
     for block in model.layers:
         fsdp2.fully_shard(block, **kwargs)
     fsdp2.fully_shard(model, **kwargs)
@@ -73,12 +90,11 @@ def _run(setup: str, config: llama.LlamaConfig, rank: int) -> dict[str, int]:
     step(zero=False)  # AdamW's states exist from here on
     params = list(model.parameters())
     chunks = 0
-    if over:
-        for module in model.modules():
-            state = fsdp2.fully_shard.state(module)
-            for group in state.param_groups if state is not None else ():
-                if (kept := group.comms.kept_chunks) is not None:
-                    chunks += kept.nbytes
+    for module in model.modules():
+        state = fsdp2.fully_shard.state(module)
+        for group in state.param_groups if state is not None else ():
+            if (kept := group.comms.kept_chunks) is not None:
+                chunks += kept.nbytes
     result = {
         "params": _nbytes(params),
         "grads": _nbytes(p.grad for p in params if p.grad is not None),

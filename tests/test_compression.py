@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from torch.distributed.device_mesh import init_device_mesh
 
 from fsdp2 import CompressionPolicy, fully_shard
+from fsdp2.all_gather import Int8AllGather
 from fsdp2.wire import (
     NONFINITE_CODE,
     dequantize_blockwise,
@@ -184,3 +185,15 @@ def test_fully_shard_checks_the_policy():
             compression=CompressionPolicy(gradients="int8", across="replicate"),
         )
         assert layer._fsdp_state.param_groups[0].settings.compression.gradients == "int8"
+        # With the optimizer sharded over replicas the weights cross the replicas:
+        # across="replicate" compresses their all-gather there, and chooses that variant.
+        over = fully_shard(
+            nn.Linear(4, 8),
+            mesh=hsdp,
+            shard_optimizer_over_replicas=True,
+            compression=CompressionPolicy(weights="int8", across="replicate"),
+        )
+        kept = over._fsdp_state.param_groups[0].comms.kept_chunks
+        assert isinstance(kept.gather, Int8AllGather) and kept.block_size is None
+        with pytest.raises(TypeError, match=r"shard_optimizer_over_replicas=...\) takes True or"):
+            fully_shard(nn.Linear(4, 8), mesh=hsdp, shard_optimizer_over_replicas="false")

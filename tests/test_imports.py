@@ -1,6 +1,7 @@
-"""The package's shape: runtime imports inside fsdp2/ run one way (no cycle,
-lazy imports inside functions included; imports under ``if TYPE_CHECKING:``
-are for annotations only and do not count), and no file grows past 600 lines."""
+"""The package's shape: imports inside fsdp2/ run one way (no cycle, lazy
+imports inside functions included, and none either once the imports under
+``if TYPE_CHECKING:`` are counted: a layer that names a type from above is
+a layer out of place), and no file grows past 600 lines."""
 
 from __future__ import annotations
 
@@ -24,14 +25,17 @@ def _is_type_checking(test: ast.expr) -> bool:
     )
 
 
-def _runtime_imports(name: str, is_package: bool, source: str, modules: set[str]) -> set[str]:
+def _runtime_imports(
+    name: str, is_package: bool, source: str, modules: set[str], type_only: bool = False
+) -> set[str]:
     """The modules of ``modules`` that module ``name`` (whose text is ``source``)
-    imports when it runs, at import or at call time."""
+    imports when it runs, at import or at call time (``type_only``: and under
+    ``if TYPE_CHECKING:``)."""
     package = name if is_package else name.rpartition(".")[0]
     found: set[str] = set()
 
     def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and _is_type_checking(node.test):
+        if isinstance(node, ast.If) and _is_type_checking(node.test) and not type_only:
             for child in node.orelse:
                 visit(child)
             return
@@ -58,12 +62,12 @@ def _runtime_imports(name: str, is_package: bool, source: str, modules: set[str]
     return {m for m in found if not name.startswith(f"{m}.")}
 
 
-def _import_graph() -> dict[str, set[str]]:
+def _import_graph(type_only: bool = False) -> dict[str, set[str]]:
     paths = sorted(PACKAGE.rglob("*.py"))
     modules = {_module_name(p) for p in paths}
     return {
         _module_name(p): _runtime_imports(
-            _module_name(p), p.name == "__init__.py", p.read_text(), modules
+            _module_name(p), p.name == "__init__.py", p.read_text(), modules, type_only
         )
         for p in paths
     }
@@ -99,6 +103,13 @@ def test_runtime_imports_have_no_cycle() -> None:
     assert cycle is None, "import cycle in fsdp2/: " + " -> ".join(cycle or [])
 
 
+def test_imports_have_no_cycle_with_type_only_ones() -> None:
+    cycle = _cycle(_import_graph(type_only=True))
+    assert cycle is None, "import cycle in fsdp2/ (type-only imports counted): " + " -> ".join(
+        cycle or []
+    )
+
+
 def test_the_check_sees_lazy_imports_and_skips_type_checking() -> None:
     source = (
         "from typing import TYPE_CHECKING\n"
@@ -108,6 +119,8 @@ def test_the_check_sees_lazy_imports_and_skips_type_checking() -> None:
     )
     modules = {"fsdp2", "fsdp2.a", "fsdp2.b", "fsdp2.c", "fsdp2.d"}
     assert _runtime_imports("fsdp2.a", False, source, modules) == {"fsdp2.c", "fsdp2.d"}
+    with_types = _runtime_imports("fsdp2.a", False, source, modules, type_only=True)
+    assert with_types == {"fsdp2.b", "fsdp2.c", "fsdp2.d"}
     assert _cycle({"x": {"y"}, "y": {"z"}, "z": {"x"}}) == ["x", "y", "z", "x"]
     assert _cycle({"x": {"y"}, "y": set()}) is None
 
