@@ -126,9 +126,9 @@ class CommContext:
         # The events after all-gathers dropped unread (``dropped``): their buffers,
         # among ``_copied_out``, go once the copy-in stream has waited for them.
         self._dropped_events: list[torch.Event] = []
-        # Where the replicated parameters are copied (the current stream): it waits
+        # Where the whole parameters are copied (the current stream): it waits
         # for the post-optimizer event once too.
-        self._replicated_event: torch.Event | None = None
+        self._whole_params_event: torch.Event | None = None
         # CPU offload: grads being copied to the host, waited for at the end of backward.
         self.grads_to_host = HostGradCopies()
 
@@ -208,7 +208,7 @@ class CommContext:
             self._copy_in_synced = True
             if (event := self.post_optim_event) is not None:
                 stream.wait_event(event)  # the optimizer step has written the shards
-                self._replicated_event, self.post_optim_event = event, None
+                self._whole_params_event, self.post_optim_event = event, None
             else:
                 stream.wait_stream(ops.current_stream())
         if written is not None:
@@ -275,13 +275,13 @@ class CommContext:
         return InFlight(None, event, self.ops, "", None)
 
     def wait_for_optimizer(self) -> None:
-        """Before the current stream reads the shards (the replicated parameters'
+        """Before the current stream reads the shards (the whole parameters'
         copy): it waits for ``set_post_optim_event``'s event once."""
         if self.ops is not None:
-            event = self._replicated_event or self.post_optim_event
+            event = self._whole_params_event or self.post_optim_event
             if event is not None:
                 self.ops.current_stream().wait_event(event)
-            self._replicated_event = None
+            self._whole_params_event = None
 
     def run_hook(
         self,

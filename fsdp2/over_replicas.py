@@ -151,7 +151,6 @@ class KeptChunks:
         pieces = [local_tensor(params[i].sharded_param) for i in stale]
         if any(piece.is_meta for piece in pieces):
             return  # not materialized yet: rebuilt once it is
-        replicas = self.gather.world_size
         if self.block_size is None:
             slots = [(_piece(self.layouts[i]).slot_numel, params[i].param_dtype) for i in stale]
             inputs = [
@@ -159,38 +158,42 @@ class KeptChunks:
             ]
         else:
             inputs = [
-                self._quantized(i, piece, comm) for i, piece in zip(stale, pieces, strict=True)
+                self._codes(i, piece, self.block_size, comm.device)
+                for i, piece in zip(stale, pieces, strict=True)
             ]
             slots = [(x.numel(), torch.uint8) for x in inputs]
         outputs = []
         for i, (numel, dtype) in zip(stale, slots, strict=True):
             kept = self.kept[i]
             if kept.rows is None or kept.rows.dtype != dtype:
-                kept.rows = torch.empty(replicas, numel, dtype=dtype, device=comm.device)
+                kept.rows = torch.empty(
+                    self.gather.world_size, numel, dtype=dtype, device=comm.device
+                )
             outputs.append(kept.rows)
-            kept.built(params[i].sharded_param)
         # Every chunk of this shard group empty (the same on its whole replica group).
         if sum(numel for numel, _ in slots) > 0:
             plain = (True,) * len(inputs)
             gathered = self.gather.gather(AllGatherInputs(inputs, slots, plain), comm, name)
             gathered.in_flight.wait()
             gathered.copy_out(outputs)
+        for i in stale:  # only once the chunks hold what they were built from
+            self.kept[i].built(params[i].sharded_param)
 
-    def _quantized(self, i: int, piece: torch.Tensor, comm: CommContext) -> torch.Tensor:
-        """The piece's scales and codes in a slot of the largest piece of its
-        parameter (the same size on every rank of the shard group)."""
-        block_size, slot_numel = self._codes_format(i)
-        values = torch.zeros(1, slot_numel, dtype=torch.float32, device=comm.device)
+    def _codes(
+        self, i: int, piece: torch.Tensor, block_size: int, device: torch.device
+    ) -> torch.Tensor:
+        """Piece ``i``'s scales and codes, in a slot of its parameter's largest
+        piece (the same size on every rank of the shard group)."""
+        slot_numel = self._largest_piece(i)
+        values = torch.zeros(1, slot_numel, dtype=torch.float32, device=device)
         values[0, : piece.numel()].copy_(piece.reshape(-1))
         return quantize_rows(values, [slot_numel], block_size).view(-1)
 
-    def _codes_format(self, i: int) -> tuple[int, int]:
-        if self.block_size is None:
-            raise AssertionError("the kept chunks hold values, not codes")
+    def _largest_piece(self, i: int) -> int:
+        """Elements of parameter ``i``'s largest piece over its shard group."""
         layout = self.layouts[i]
-        replicas = _piece(layout).replicas
-        largest = -(-layout.chunk_rows // replicas) * _piece(layout).row_numel
-        return self.block_size, largest
+        piece = _piece(layout)
+        return -(-layout.chunk_rows // piece.replicas) * piece.row_numel
 
     def inputs(self) -> AllGatherInputs:
         """The chunks as the inputs of the all-gather inside the shard group."""
@@ -210,11 +213,14 @@ class KeptChunks:
     def decode(self, all_gather_output: torch.Tensor, outputs: list[torch.Tensor]) -> None:
         """Codes: every rank's pieces of every parameter, dequantized into the
         rank-major unsharded outputs ((S, chunk slot) each)."""
+        block_size = self.block_size
+        if block_size is None:
+            raise AssertionError("the kept chunks hold values, not codes")
         shards = outputs[0].size(0)
         rows = all_gather_output.view(shards, -1)
         column = 0
         for i, (layout, out) in enumerate(zip(self.layouts, outputs, strict=True)):
-            block_size, slot_numel = self._codes_format(i)
+            slot_numel = self._largest_piece(i)
             piece = _piece(layout)
             nbytes = piece.replicas * rows_wire_bytes([slot_numel], block_size)
             wire = rows[:, column : column + nbytes].reshape(shards * piece.replicas, -1)

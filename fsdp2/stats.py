@@ -40,7 +40,7 @@ KINDS = (
 class GroupStats:
     all_gather: CollectiveStats = field(default_factory=CollectiveStats)
     reduce_scatter: CollectiveStats = field(default_factory=CollectiveStats)
-    # Across HSDP replicas, and of replicated parameters' gradients (min_numel_to_shard).
+    # Across HSDP replicas, and of whole parameters' gradients (min_numel_to_shard).
     all_reduce: CollectiveStats = field(default_factory=CollectiveStats)
     # shard_optimizer_over_replicas: across the replicas, of the shard group's chunks.
     replica_all_gather: CollectiveStats = field(default_factory=CollectiveStats)

@@ -69,6 +69,8 @@ WIDE_SCENARIOS = [
     ("twice, checkpointed, reshard_after_forward=2, CPU offload, accumulation", 4),
     ("HSDP (2, 2), twice, checkpointed, reshard_after_forward=2", 4),
     ("HSDP (2, 2), optimizer over replicas, twice, checkpointed, bf16, CPU offload", 4),
+    # Codes kept and moved by both all-gathers, compressed reductions across replicas.
+    ("HSDP (2, 2), optimizer over replicas, twice, compression int8", 4),
 ]
 
 
@@ -138,6 +140,8 @@ def _shard(name: str) -> nn.Module:
         kwargs["offload_policy"] = fsdp2.CPUOffloadPolicy()
     if "optimizer over replicas" in name:
         kwargs["shard_optimizer_over_replicas"] = True
+    if "compression int8" in name:
+        kwargs["compression"] = fsdp2.CompressionPolicy(weights="int8", gradients="int8")
     if "bf16" in name:
         kwargs["mp_policy"] = fsdp2.MixedPrecisionPolicy(
             param_dtype=torch.bfloat16, reduce_dtype=torch.float32
@@ -154,9 +158,7 @@ def _shard(name: str) -> nn.Module:
         )
     elif name.startswith("HSDP") and "mesh" not in kwargs:
         kwargs["mesh"] = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
-    if name == "compression int8":
-        kwargs["compression"] = fsdp2.CompressionPolicy(weights="int8", gradients="int8")
-    elif name == "HSDP, compression bf16":
+    if name == "HSDP, compression bf16":
         kwargs["compression"] = fsdp2.CompressionPolicy(gradients="bf16", across="replicate")
     if name == "extension":
         return shard_model(ExtensionModel(trainable=True))
