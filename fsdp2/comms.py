@@ -7,7 +7,7 @@ they are.
 | variant | chosen from | choices |
 | --- | --- | --- |
 | all-gather (all_gather.py) | compression, over replicas, custom all-gather | plain, int8, kept chunks (values or codes) |
-| reduce-scatter (reduce_scatter.py) | compression, custom reduce-scatter, separate group | plain, all-to-all of compressed rows |
+| reduce-scatter (reduce_scatter.py) | compression, custom reduce-scatter, separate group | plain, all-to-all of compressed rows (``wire``) |
 | replica stage (replica_stage.py) | mesh, over replicas, compression, ``requires_all_reduce`` | none, keep partial, all-reduce (plain or compressed), reduce-scatter across replicas (plain or compressed) |
 
 A custom collective (``set_custom_all_gather`` / ``set_custom_reduce_scatter``)
@@ -29,13 +29,8 @@ from .layout import ShardLayout
 from .over_replicas import ChunkAllGather, KeptChunks, ReduceScatterAcrossReplicas
 from .policy import CompressionPolicy
 from .primitives import Collectives
-from .reduce_scatter import AllToAllReduceScatter, ReduceScatterComm
-from .replica_stage import (
-    AllReduceAcrossReplicas,
-    CompressedAllReduce,
-    KeepPartial,
-    ReplicaStage,
-)
+from .reduce_scatter import ReduceScatterComm
+from .replica_stage import AllReduceAcrossReplicas, KeepPartial, ReplicaStage
 
 
 @dataclass(frozen=True)
@@ -132,7 +127,7 @@ def _reduce_scatter(
                 "they travel by an all-to-all, not a reduce-scatter. Drop one of the two, or "
                 "pass across='replicate' (HSDP) to keep the reduce-scatter uncompressed."
             )
-        return AllToAllReduceScatter(collectives, world_size, exchanges, wire)
+        return ReduceScatterComm(collectives, world_size, exchanges, wire)
     if settings.custom_reduce_scatter is not None:
         collectives = WithCustomReduceScatter(collectives, settings.custom_reduce_scatter)
     return ReduceScatterComm(collectives, world_size, exchanges)
@@ -147,9 +142,7 @@ def _replica_stage(mesh_info: MeshInfo, settings: CommSettings) -> ReplicaStage:
         return KeepPartial()
     if settings.over_replicas:
         return ReduceScatterAcrossReplicas(replicate, wire)
-    if wire is not None:
-        return CompressedAllReduce(replicate, wire)
-    return AllReduceAcrossReplicas(replicate)
+    return AllReduceAcrossReplicas(replicate, wire)
 
 
 def _kept_chunks(

@@ -42,16 +42,15 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .all_gather import AllGatherComm, AllGatherInputs
-from .comm import ALL_REDUCE, REPLICA_REDUCE_SCATTER, CommContext, InFlight
+from .comm import REPLICA_REDUCE_SCATTER, CommContext, InFlight
 from .common import chunk_sizes, eager_hook
-from .compressed import GradientWire, all_reduce_sent_bytes, encode_rows, exchange
-from .compressed import all_reduce as compressed_all_reduce
+from .compressed import GradientWire
 from .layout import PieceLayout, ShardLayout
 from .markers import KEPT_CHUNK
 from .primitives import Collectives
 from .private_api import chunk_cat_, local_tensor
-from .reduce_scatter import ReduceInFlight
-from .replica_stage import ReplicaStage, add_partial_grads
+from .reduce_scatter import ReduceInFlight, reduce_rows
+from .replica_stage import ReplicaStage, add_partial_grads, all_reduce_across
 from .wire import dequantize_rows, quantize_rows, rows_wire_bytes
 
 if TYPE_CHECKING:
@@ -322,50 +321,26 @@ class ReduceScatterAcrossReplicas(ReplicaStage):
         buffers: tuple[torch.Tensor, ...] = (reduce_scatter_input,)
         if block_numel > 0:  # every chunk of this shard group empty: nothing to exchange
             mine = output.narrow(0, 0, block_numel)
-            if wire is None:
-                issued = comm.issue(
-                    REPLICA_REDUCE_SCATTER,
-                    name,
-                    reduce_scatter_input.numel() * reduce_scatter_input.element_size(),
-                    lambda async_op: collectives.reduce_scatter(
-                        mine, reduce_scatter_input.view(-1), op, async_op
-                    ),
-                )
-            else:
-                sent = encode_rows(reduce_scatter_input, wire.setting, slot_numels, wire.block_size)
-                buffers = (reduce_scatter_input, sent)
-                issued = comm.issue(
-                    REPLICA_REDUCE_SCATTER,
-                    name,
-                    sent.numel() * sent.element_size(),
-                    lambda async_op: exchange(mine, sent, wire, slot_numels, collectives, async_op),
-                )
+            issued, buffers = reduce_rows(
+                REPLICA_REDUCE_SCATTER,
+                mine,
+                reduce_scatter_input,
+                slot_numels,
+                op,
+                wire,
+                collectives,
+                comm,
+                name,
+            )
             in_flight.append(issued)
         if whole:
             tail = output.narrow(0, block_numel, whole_numel)
             tail.copy_(torch.cat([g.reshape(-1) for g in whole]))
-            in_flight.append(self._all_reduce(tail, [g.numel() for g in whole], op, comm, name))
+            numels = [g.numel() for g in whole]
+            in_flight.append(all_reduce_across(tail, numels, op, wire, collectives, comm, name))
         sharded = zip(params[: len(pieces)], pieces, strict=True)
         slots = [(piece.slot_numel, p.layout.local_shape) for p, piece in sharded]
         slots += [(p.layout.slot_numel, p.layout.local_shape) for p in params[len(pieces) :]]
         return reduced._replace(
             slots=slots, buffers=buffers, output=output, in_flight=tuple(in_flight)
-        )
-
-    def _all_reduce(
-        self, tail: torch.Tensor, numels: list[int], op: Any, comm: CommContext, name: str
-    ) -> InFlight:
-        collectives, wire = self.collectives, self.wire
-        if wire is None:
-            return comm.issue(
-                ALL_REDUCE,
-                name,
-                tail.numel() * tail.element_size(),
-                lambda async_op: collectives.all_reduce(tail, op, async_op),
-            )
-        return comm.issue(
-            ALL_REDUCE,
-            name,
-            all_reduce_sent_bytes(numels, wire, collectives.process_group.size()),
-            lambda async_op: compressed_all_reduce(tail, numels, wire, collectives, async_op),
         )

@@ -8,14 +8,11 @@ row after the reduction, followed by the whole gradients of the parameters
 kept whole (``min_numel_to_shard``), which are all-reduced there, so that a
 stage across HSDP replicas (replica_stage.py) covers both.
 
-Variants:
-
-- ``ReduceScatterComm``: the rows reduce-scattered by the ``Collectives`` it
-  holds (fsdp2's or torch's, or the user's from ``set_custom_reduce_scatter``)
-  with the divide plan's op.
-- ``AllToAllReduceScatter``: compressed gradients; the rows go by one
-  all-to-all, compressed, and are added in fp32 by their receiver
-  (compressed.py); the output is then fp32.
+The variant, ``ReduceScatterComm``: the rows reduce-scattered by the
+``Collectives`` it holds (fsdp2's or torch's, or the user's from
+``set_custom_reduce_scatter``) with the divide plan's op, or, with compressed
+gradients (a ``GradientWire``), sent compressed by one all-to-all and added
+in fp32 by their receiver (compressed.py); the output is then fp32.
 """
 
 from __future__ import annotations
@@ -24,10 +21,10 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from .comm import ALL_REDUCE, REDUCE_SCATTER, CommContext, InFlight
+from .comm import ALL_REDUCE, REDUCE_SCATTER, CommContext, CommKind, InFlight
 from .compressed import GradientWire, encode_rows, exchange
 from .divide import DividePlan
-from .primitives import Collectives
+from .primitives import Collectives, ReduceOp
 from .private_api import chunk_cat_, profiled
 
 if TYPE_CHECKING:
@@ -67,18 +64,27 @@ class ReduceInFlight(NamedTuple):
 
 
 class ReduceScatterComm:
-    """The plain reduce-scatter over the shard group (``collectives``) of
-    ``world_size`` ranks. ``exchanges``: False for a world of one, whose
-    input is the whole output (nothing is issued)."""
+    """The reduce-scatter over the shard group (``collectives``) of
+    ``world_size`` ranks; ``wire``: compressed gradients, by all-to-all.
+    ``exchanges``: False for a world of one, whose input is the whole output
+    (nothing is issued)."""
 
-    def __init__(self, collectives: Collectives, world_size: int, exchanges: bool) -> None:
+    def __init__(
+        self,
+        collectives: Collectives,
+        world_size: int,
+        exchanges: bool,
+        wire: GradientWire | None = None,
+    ) -> None:
         self.collectives = collectives
         self.world_size = world_size
         self.exchanges = exchanges
+        self.wire = wire
 
     def sum_dtype(self, reduce_dtype: torch.dtype) -> torch.dtype:
-        """The dtype the ranks' gradients are summed in (the divide plan's)."""
-        return reduce_dtype
+        """The dtype the ranks' gradients are summed in (the divide plan's):
+        fp32 for compressed ones."""
+        return reduce_dtype if self.wire is None else torch.float32
 
     @torch.no_grad()
     def start(
@@ -138,11 +144,14 @@ class ReduceScatterComm:
         in_flight: list[InFlight] = []
         buffers: tuple[torch.Tensor, ...] = (reduce_scatter_input,)
         if sharded and self.exchanges:
-            issued, buffers = self._exchange(
+            issued, buffers = reduce_rows(
+                REDUCE_SCATTER,
                 output.narrow(0, 0, block_numel),
                 reduce_scatter_input,
                 slot_numels,
-                plan,
+                plan.reduce_scatter_op,
+                self.wire,
+                self.collectives,
                 comm,
                 name,
             )
@@ -171,58 +180,36 @@ class ReduceScatterComm:
         slots = [(p.layout.slot_numel, p.layout.chunk_shape) for p in params]
         return ReduceInFlight(params, slots, buffers, output, plan, tuple(in_flight))
 
-    def _exchange(
-        self,
-        output: torch.Tensor,
-        reduce_scatter_input: torch.Tensor,
-        slot_numels: list[int],
-        plan: DividePlan,
-        comm: CommContext,
-        name: str,
-    ) -> tuple[InFlight, tuple[torch.Tensor, ...]]:
-        """Starts reducing the rows into ``output``; returns it with the
-        buffers it reads until waited."""
-        collectives, op = self.collectives, plan.reduce_scatter_op
+
+def reduce_rows(
+    kind: CommKind,
+    output: torch.Tensor,
+    rows: torch.Tensor,
+    slot_numels: list[int],
+    op: ReduceOp,
+    wire: GradientWire | None,
+    collectives: Collectives,
+    comm: CommContext,
+    name: str,
+) -> tuple[InFlight, tuple[torch.Tensor, ...]]:
+    """Starts reducing ``rows`` (R, sum(slot_numels): row k for rank k) into
+    ``output`` (this rank's row): a reduce-scatter with ``op``, or with
+    ``wire`` the rows compressed, sent by one all-to-all and added in fp32 by
+    their receiver, in rank order, when waited. Returns it with the buffers
+    it reads until then."""
+    if wire is None:
         issued = comm.issue(
-            REDUCE_SCATTER,
+            kind,
             name,
-            reduce_scatter_input.numel() * reduce_scatter_input.element_size(),
-            lambda async_op: collectives.reduce_scatter(
-                output, reduce_scatter_input.view(-1), op, async_op
-            ),
+            rows.numel() * rows.element_size(),
+            lambda async_op: collectives.reduce_scatter(output, rows.view(-1), op, async_op),
         )
-        return issued, (reduce_scatter_input,)
-
-
-class AllToAllReduceScatter(ReduceScatterComm):
-    """Compressed gradients (``CompressionPolicy(gradients=...)``): row k of the
-    input, compressed (``wire``), sent to rank k by one all-to-all; the W rows
-    received decoded and added in fp32, in rank order, when waited."""
-
-    def __init__(
-        self, collectives: Collectives, world_size: int, exchanges: bool, wire: GradientWire
-    ) -> None:
-        super().__init__(collectives, world_size, exchanges)
-        self.wire = wire
-
-    def sum_dtype(self, reduce_dtype: torch.dtype) -> torch.dtype:
-        return torch.float32
-
-    def _exchange(
-        self,
-        output: torch.Tensor,
-        reduce_scatter_input: torch.Tensor,
-        slot_numels: list[int],
-        plan: DividePlan,
-        comm: CommContext,
-        name: str,
-    ) -> tuple[InFlight, tuple[torch.Tensor, ...]]:
-        collectives, wire = self.collectives, self.wire
-        sent = encode_rows(reduce_scatter_input, wire.setting, slot_numels, wire.block_size)
-        issued = comm.issue(
-            REDUCE_SCATTER,
-            name,
-            sent.numel() * sent.element_size(),
-            lambda async_op: exchange(output, sent, wire, slot_numels, collectives, async_op),
-        )
-        return issued, (reduce_scatter_input, sent)
+        return issued, (rows,)
+    sent = encode_rows(rows, wire.setting, slot_numels, wire.block_size)
+    issued = comm.issue(
+        kind,
+        name,
+        sent.numel() * sent.element_size(),
+        lambda async_op: exchange(output, sent, wire, slot_numels, collectives, async_op),
+    )
+    return issued, (rows, sent)

@@ -7,8 +7,8 @@ which it is.
 - ``KeepPartial``: HSDP with ``set_requires_all_reduce(False)``: the
   shard-group sums are kept (``FSDPParam.partial_grad``) for a later
   reduction that adds them.
-- ``AllReduceAcrossReplicas``: HSDP; ``CompressedAllReduce`` with compressed
-  gradients (compressed.py).
+- ``AllReduceAcrossReplicas``: HSDP, plain or with compressed gradients
+  (compressed.py).
 - over_replicas.py's ``ReduceScatterAcrossReplicas``:
   ``shard_optimizer_over_replicas``.
 
@@ -24,7 +24,7 @@ import torch
 from .comm import ALL_REDUCE, CommContext, InFlight
 from .compressed import GradientWire, all_reduce_sent_bytes
 from .compressed import all_reduce as compressed_all_reduce
-from .primitives import Collectives
+from .primitives import Collectives, ReduceOp
 from .reduce_scatter import ReduceInFlight
 
 
@@ -80,12 +80,13 @@ def add_partial_grads(reduced: ReduceInFlight) -> None:
 
 class AllReduceAcrossReplicas(ReplicaStage):
     """HSDP: the reduce-scatter's output all-reduced across the replicas with
-    the plan's op."""
+    the plan's op; ``wire``: compressed gradients (``all_reduce_across``)."""
 
     communicates = True
 
-    def __init__(self, collectives: Collectives) -> None:
+    def __init__(self, collectives: Collectives, wire: GradientWire | None = None) -> None:
         self.collectives = collectives
+        self.wire = wire
 
     def can_start_early(self, reduced: ReduceInFlight) -> bool:
         # Kept sums are added after the reduce-scatter, the CPU way.
@@ -100,42 +101,46 @@ class AllReduceAcrossReplicas(ReplicaStage):
         after: tuple[InFlight, ...] = (),
     ) -> ReduceInFlight | None:
         add_partial_grads(reduced)
-        output, op, collectives = reduced.output, reduced.plan.all_reduce_op, self.collectives
-        in_flight = comm.issue(
-            ALL_REDUCE,
-            name,
-            output.numel() * output.element_size(),
-            lambda async_op: collectives.all_reduce(output, op, async_op),
-            after,
-        )
-        return reduced._replace(buffers=(), in_flight=(in_flight,))
-
-
-class CompressedAllReduce(AllReduceAcrossReplicas):
-    """HSDP with compressed gradients: each slot cut in R pieces, summed in
-    fp32 by its rank after an all-to-all, the sums compressed again and
-    all-gathered (compressed.py; the plan's op is then SUM)."""
-
-    def __init__(self, collectives: Collectives, wire: GradientWire) -> None:
-        super().__init__(collectives)
-        self.wire = wire
-
-    @torch.no_grad()
-    def start(
-        self,
-        reduced: ReduceInFlight,
-        comm: CommContext,
-        name: str,
-        after: tuple[InFlight, ...] = (),
-    ) -> ReduceInFlight | None:
-        add_partial_grads(reduced)
-        output, wire, collectives = reduced.output, self.wire, self.collectives
         slots = [numel for numel, _ in reduced.slots]
-        in_flight = comm.issue(
-            ALL_REDUCE,
+        in_flight = all_reduce_across(
+            reduced.output,
+            slots,
+            reduced.plan.all_reduce_op,
+            self.wire,
+            self.collectives,
+            comm,
             name,
-            all_reduce_sent_bytes(slots, wire, collectives.process_group.size()),
-            lambda async_op: compressed_all_reduce(output, slots, wire, collectives, async_op),
             after,
         )
         return reduced._replace(buffers=(), in_flight=(in_flight,))
+
+
+def all_reduce_across(
+    tensor: torch.Tensor,
+    slot_numels: list[int],
+    op: ReduceOp,
+    wire: GradientWire | None,
+    collectives: Collectives,
+    comm: CommContext,
+    name: str,
+    after: tuple[InFlight, ...] = (),
+) -> InFlight:
+    """Starts summing ``tensor`` (slots of ``slot_numels``) across the
+    replicas in place: an all-reduce with ``op``, or with ``wire`` each slot
+    cut in R pieces, summed in fp32 by its rank after an all-to-all, the sums
+    compressed again and all-gathered (compressed.py; ``op`` is then SUM)."""
+    if wire is None:
+        return comm.issue(
+            ALL_REDUCE,
+            name,
+            tensor.numel() * tensor.element_size(),
+            lambda async_op: collectives.all_reduce(tensor, op, async_op),
+            after,
+        )
+    return comm.issue(
+        ALL_REDUCE,
+        name,
+        all_reduce_sent_bytes(slot_numels, wire, collectives.process_group.size()),
+        lambda async_op: compressed_all_reduce(tensor, slot_numels, wire, collectives, async_op),
+        after,
+    )
