@@ -29,7 +29,7 @@ demo: setup
 # optimizer step: fsdp2.optim.Muon vs torch.optim.Muon sharded and unsharded (seconds),
 # then fsdp2 with each CompressionPolicy setting next to the others (about two minutes),
 # then per-rank memory and bytes of FSDP, HSDP and HSDP with shard_optimizer_over_replicas
-# (4 ranks). Training quality of compression (300 steps per setting, ~15 min):
+# (also compressed; 4 ranks). Training quality of compression (300 steps per setting, ~15 min):
 # scripts/bench_compression.py.
 bench: setup
 	$(PY) scripts/bench.py
