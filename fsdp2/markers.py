@@ -2,15 +2,17 @@
 about a user's parameter, set in one place and read in another. Reading one
 is a dictionary lookup, free for parameters that carry none.
 
-- ``SHARDED``: a sharded parameter ``fully_shard`` made (it refuses to
-  shard it again; the optimizer check tells it from a plain one).
+- ``SHARDED``: a sharded parameter ``fully_shard`` made, with its
+  ``ShardLayout`` (``fully_shard`` refuses to shard it again; the optimizer
+  hooks tell it from a plain one, and a piece sharded over replicas).
 - ``SHARDED_AS``: an original parameter that ``fully_shard`` replaced, with
   where (a later call, or an optimizer holding it, is refused).
 - ``IGNORED``: passed as ``ignored_params``: plain on purpose.
 - ``DATA_PARALLEL``: the ``MeshInfo`` a sharded parameter is sharded over
   (set at lazy init, for the optimizer check).
 - ``KEPT_CHUNK``: ``shard_optimizer_over_replicas``: the kept chunk a piece
-  built (over_replicas.py), marked stale when an optimizer steps it.
+  built (over_replicas.py), marked stale when an optimizer steps the piece
+  (optimizer_hooks.py).
 """
 
 SHARDED = "_fsdp2_sharded"

@@ -11,30 +11,27 @@
   rank) were built differently (``check_replicas``, at the root's lazy init:
   one tiny collective per mesh, none for plain FSDP).
 
-After its first step an optimizer costs one dictionary lookup per step; see
-"Mistakes fsdp2 stops" in docs/usage.md for why these are errors.
+The optimizer checks run from optimizer_hooks.py's pre-step hook until they
+pass, then never again for that optimizer; see "Mistakes fsdp2 stops" in
+docs/usage.md for why these are errors.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from .common import MeshInfo, device_from_mesh, eager_hook
+from .common import MeshInfo, device_from_mesh
 from .markers import DATA_PARALLEL, IGNORED, SHARDED, SHARDED_AS
 from .private_api import local_tensor
 
 if TYPE_CHECKING:
     from .param_group import FSDPParamGroup
 
-# Set on an optimizer once it passed its first-step checks.
-_CHECKED = "_fsdp2_checked"
 # Checksums of identical tensors may differ in the last bits when ranks sum them
 # in other orders (thread counts, GPU models); different values differ by far more.
 _RTOL = 1e-9
@@ -51,25 +48,17 @@ def mark_ignored(params: Iterable[nn.Parameter]) -> None:
 def at_lazy_init(groups: list[FSDPParamGroup]) -> None:
     """The root's one-time checks (collective where HSDP or whole
     parameters exist, the same path on every rank)."""
-    install_optimizer_check()
     for group in groups:
         for fsdp_param in group.fsdp_params:
             fsdp_param.sharded_param.__dict__[DATA_PARALLEL] = group.mesh_info
     check_replicas(groups)
 
 
-@functools.cache
-def install_optimizer_check() -> Any:
-    """Registers :func:`check_optimizer` for every optimizer, once per process."""
-    return register_optimizer_step_pre_hook(check_optimizer)
-
-
-@eager_hook
-def check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    """A global optimizer step pre-hook: checks each optimizer at its first step
-    (eagerly, also inside a compiled step)."""
-    if optimizer.__dict__.get(_CHECKED):
-        return
+def check_optimizer(optimizer: torch.optim.Optimizer) -> bool:
+    """The first-step checks of an optimizer (optimizer_hooks.py runs them
+    before its steps): raises on a mistake; returns whether the checks are
+    done (False before the first forward, when there is nothing to compare
+    yet)."""
     named = _named_params(optimizer)
     _refuse_replaced(named)
     sharded = [p for _, p in named if p.__dict__.get(SHARDED)]
@@ -81,10 +70,10 @@ def check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) ->
     if sharded and plain:
         infos = [info for p in sharded if (info := p.__dict__.get(DATA_PARALLEL)) is not None]
         if not infos and all(p.grad is None for _, p in named):
-            return  # before the first forward: nothing trained yet, check at the next step
+            return False  # before the first forward: nothing trained yet
         if infos:
             _check_plain_params_agree(plain, max(infos, key=_data_parallel_size))
-    optimizer.__dict__[_CHECKED] = True
+    return True
 
 
 def _named_params(optimizer: torch.optim.Optimizer) -> list[tuple[str, torch.Tensor]]:

@@ -6,8 +6,8 @@ A rank keeps, per parameter, its shard group's chunk (``KeptChunks``), the
 input of the all-gather inside the shard group (``ChunkAllGather``). The
 chunk is rebuilt by one all-gather across the replicas, batched for a
 group's parameters, when a piece changed since it was last built: the piece
-was stepped by an optimizer (a global step post-hook: a ``foreach`` step on
-DTensors bumps no version counter), its version counters (the DTensor's and
+was stepped by an optimizer (optimizer_hooks.py's post-step hook: a
+``foreach`` step on DTensors bumps no version counter), its version counters (the DTensor's and
 its local tensor's: other in-place updates, ``load_state_dict``, ``copy_``)
 or the piece itself (a new tensor adopted) differ. Every replica runs the
 same program, so all of them see the same pieces change and issue the same
@@ -35,15 +35,13 @@ shard group is compressed too with ``across="all"``.
 
 from __future__ import annotations
 
-import functools
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .all_gather import AllGatherComm, AllGatherInputs
 from .comm import REPLICA_REDUCE_SCATTER, CommContext, InFlight
-from .common import chunk_sizes, eager_hook
+from .common import chunk_sizes
 from .compressed import GradientWire
 from .layout import PieceLayout, ShardLayout
 from .markers import KEPT_CHUNK
@@ -57,23 +55,6 @@ if TYPE_CHECKING:
     from .param import FSDPParam
 
 
-@functools.cache
-def install_step_hook() -> Any:
-    """Registers :func:`pieces_stepped` for every optimizer, once per process."""
-    return register_optimizer_step_post_hook(pieces_stepped)
-
-
-@eager_hook
-def pieces_stepped(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    """A global optimizer step post-hook: the pieces an optimizer stepped are
-    changed. Version counters miss it: a ``foreach`` step on DTensors (the
-    default on accelerators) bumps neither the DTensor's nor its local tensor's."""
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            if (kept := param.__dict__.get(KEPT_CHUNK)) is not None:
-                kept.stepped = True
-
-
 class KeptChunk:
     """One parameter's kept chunk and what it was built from."""
 
@@ -84,7 +65,8 @@ class KeptChunk:
         # The sharded parameter, its local tensor and their version counters (an
         # in-place op on the DTensor bumps the DTensor's only).
         self._built_from: tuple[torch.Tensor, torch.Tensor, int, int] | None = None
-        self.stepped = False  # by an optimizer since it was built (pieces_stepped)
+        # Stepped by an optimizer since it was built (optimizer_hooks.py's post-step hook).
+        self.stepped = False
 
     def stale(self, param: torch.Tensor, dtype: torch.dtype) -> bool:
         """Whether the piece (or the dtype) changed since the chunk was built."""
@@ -104,7 +86,6 @@ class KeptChunk:
         self._built_from = (param, piece, param._version, piece._version)
         self.stepped = False
         param.__dict__[KEPT_CHUNK] = self
-        install_step_hook()
 
 
 class KeptChunks:

@@ -98,7 +98,7 @@ class FSDPParam:
         self.sharded_param = nn.Parameter(
             self._as_dtensor(local), requires_grad=param.requires_grad
         )
-        self.sharded_param.__dict__[SHARDED] = True
+        self.sharded_param.__dict__[SHARDED] = layout
         self._unsharded_padded: torch.Tensor | None = None
         self._grad_spec: DTensorSpec | None = None  # of the sharded grad, built on first use
         self.unsharded_param: nn.Parameter | None = None
@@ -146,7 +146,7 @@ class FSDPParam:
         param = module_parameters(first.module)[first.name]
         if param is not self.sharded_param:
             param = self._adoptable(param)
-            param.__dict__[SHARDED] = True
+            param.__dict__[SHARDED] = self.layout
             self.sharded_param = param
             self.requires_grad = param.requires_grad
             self._set_on_modules(param)

@@ -31,6 +31,7 @@ import torch.nn as nn
 
 from .common import MeshInfo, ShardedState, eager_hook
 from .mistakes import at_lazy_init
+from .optimizer_hooks import install_optimizer_hooks
 from .param_group import FSDPParamGroup
 from .policy import MixedPrecisionPolicy
 from .post_backward import register_post_backward
@@ -172,7 +173,8 @@ class FSDPState:
             if group.sharded_state is ShardedState.SHARDED:
                 group.reset_sharded_params()
         _check_materialized(root_ctx.groups)
-        at_lazy_init(root_ctx.groups)  # mistakes.py: replicas that differ; the optimizer check
+        install_optimizer_hooks()
+        at_lazy_init(root_ctx.groups)  # mistakes.py: replicas that differ
         if self.reshard_after_forward_arg is None:
             # The root's parameters are needed again first thing in backward.
             for group in self.param_groups:

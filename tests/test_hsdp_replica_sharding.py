@@ -127,6 +127,47 @@ def test_sharding_math_at_8() -> None:
                         assert offset[0] == rows[0], case
 
 
+def test_one_optimizer_hook_pair_and_the_plan_it_keeps() -> None:
+    """fsdp2 registers one pre-step and one post-step hook for every optimizer,
+    however many roots; each optimizer keeps a plan made at its first step
+    (again after add_param_group): the pieces sharded over replicas, whose
+    kept chunks its steps mark stale; none for an optimizer of plain tensors."""
+    from torch.optim import optimizer as torch_optimizer
+
+    from fsdp2 import optimizer_hooks
+
+    with fake_world(1):
+        mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("replicate", "shard"))
+        models = [
+            fsdp2.fully_shard(nn.Linear(4, 6), mesh=mesh, shard_optimizer_over_replicas=True)
+            for _ in range(2)
+        ]
+        optim = torch.optim.SGD(models[0].parameters(), lr=0.1)
+        for model in models:
+            model(torch.randn(2, 4)).sum().backward()
+        hooks = [
+            *torch_optimizer._global_optimizer_pre_hooks.values(),
+            *torch_optimizer._global_optimizer_post_hooks.values(),
+        ]
+        assert sum(h.__name__ in ("_before_step", "_after_step") for h in hooks) == 2
+        (group,) = fsdp2.fully_shard.state(models[0]).param_groups
+        kept = group.comms.kept_chunks.kept
+        assert not any(k.stepped for k in kept)
+        optim.step()
+        plan = optim.__dict__[optimizer_hooks._PLAN]
+        assert plan.checked and plan.pieces == tuple(models[0].parameters())
+        assert all(k.stepped for k in kept)
+        optim.add_param_group({"params": list(models[1].parameters())})
+        optim.step()
+        plan = optim.__dict__[optimizer_hooks._PLAN]
+        assert plan.sizes == (2, 2) and len(plan.pieces) == 4
+        plain = nn.Linear(2, 2)
+        plain_optim = torch.optim.SGD(plain.parameters(), lr=0.1)
+        plain(torch.randn(1, 2)).sum().backward()
+        plain_optim.step()
+        assert plain_optim.__dict__[optimizer_hooks._PLAN].pieces == ()
+
+
 def test_refused() -> None:
     """What the option does not support fails inside fully_shard, naming it."""
     with fake_world(8):
