@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 # `torch` or an open range would pull a multi-GB CUDA build.
 TORCH_PIN := torch==2.13.0
 
-.PHONY: setup test test-fast demo bench gpu-check lint format clean
+.PHONY: setup test test-fast demo bench bench-host gpu-check lint format clean
 
 setup: $(VENV)/.installed
 
@@ -37,6 +37,12 @@ bench: setup
 	$(PY) scripts/bench.py --optim muon
 	$(PY) scripts/bench.py --compression weights-int8 grads-bf16 grads-int8 all-int8
 	$(PY) scripts/bench_replicas.py
+
+# Host time with many parameter tensors (1k, 5k, 20k; 1 and 2 ranks): optimizer step,
+# clipping, forward+backward and the whole step of plain / fsdp2 / torch's fully_shard,
+# interleaved (several minutes).
+bench-host: setup
+	$(PY) scripts/bench_host.py
 
 # On a CUDA machine: parity, overlap, memory and step time against torch's
 # fully_shard (a few minutes, one table); without CUDA it says so and exits 0.

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
-from .private_api import shards_tensor
+from .private_api import foreach_mul_, local_tensor, shards_tensor
 
 # (mesh, mesh axes the gradient is sharded over); (None, ()) for plain tensors.
 _GroupKey = tuple[DeviceMesh | None, tuple[int, ...]]
@@ -90,11 +90,30 @@ def clip_grad_norm_(
             "so clipping would make them NaN or zero. Pass error_if_nonfinite=False to clip "
             "anyway, or find the parameter whose gradient is not finite."
         )
-    # Scaling needs no communication: each rank scales its own shards. One call
-    # per group: the multi-tensor kernel refuses DTensors on different meshes.
-    for params in groups.values():
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=foreach)
+    # Scaling needs no communication: each rank scales its own shards, as plain
+    # tensors (one multi-tensor call; on DTensors each op would be dispatched
+    # through sharding propagation, and refused across meshes).
+    _scale([_local(_grad(p)) for p in with_grad], max_norm, total, foreach)
     return total
+
+
+def _scale(
+    grads: list[torch.Tensor], max_norm: float, total: torch.Tensor, foreach: bool | None
+) -> None:
+    """Multiplies ``grads`` by ``min(1, max_norm / (total + 1e-6))``, as
+    ``torch.nn.utils.clip_grads_with_norm_`` does (the same factor, so the same
+    bits), one multi-tensor call per device and dtype."""
+    coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+    by_device: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for grad in grads:
+        by_device.setdefault((grad.device, grad.dtype), []).append(grad)
+    for (device, _), same in by_device.items():
+        device_coef = coef.to(device)
+        if foreach is False:
+            for grad in same:
+                grad.mul_(device_coef)
+        else:
+            foreach_mul_(same, device_coef)
 
 
 def _group_by_mesh(params: list[torch.Tensor]) -> dict[_GroupKey, list[torch.Tensor]]:
@@ -111,6 +130,10 @@ def _grad(param: torch.Tensor) -> torch.Tensor:
     if param.grad is None:
         raise AssertionError("clip_grad_norm_: a parameter lost its gradient while clipping")
     return param.grad
+
+
+def _local(grad: torch.Tensor) -> torch.Tensor:
+    return local_tensor(grad) if isinstance(grad, DTensor) else grad
 
 
 def _group_key(grad: torch.Tensor, index: int) -> _GroupKey:
@@ -140,7 +163,7 @@ def _total_norm(
     dtype = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
     per_group = []
     for (mesh, sharded_axes), params in groups.items():
-        locals_ = [g.to_local() if isinstance(g := _grad(p), DTensor) else g for p in params]
+        locals_ = [_local(_grad(p)) for p in params]
         value = _local_norm(locals_, norm_type, foreach).to(dtype)
         if not math.isinf(norm_type):
             value = value**norm_type

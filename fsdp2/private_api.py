@@ -243,6 +243,18 @@ def foreach_copy_(
     torch._foreach_copy_(dsts, srcs, non_blocking=non_blocking)
 
 
+def foreach_mul_(tensors: list[torch.Tensor], factor: torch.Tensor) -> None:
+    """Multiplies each of ``tensors`` in place by ``factor`` (a scalar tensor).
+
+    Why private: gradient clipping's scaling as one fused kernel launch, as
+    ``torch.nn.utils.clip_grads_with_norm_`` makes it, but on the local
+    shards (that function takes parameters, and on DTensor gradients each
+    multiplication goes through sharding propagation); the public
+    alternative is one ``mul_`` per gradient.
+    """
+    torch._foreach_mul_(tensors, factor)
+
+
 def post_accumulate_grad_hooks(param: torch.Tensor) -> list[Callable]:
     """The hooks ``register_post_accumulate_grad_hook`` put on ``param``.
 

@@ -12,6 +12,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 import bench  # noqa: E402
+import bench_host  # noqa: E402
 
 
 @pytest.mark.distributed
@@ -37,3 +38,19 @@ def test_bench_runs_and_reports(tmp_path: Path, capsys: pytest.CaptureFixture) -
     printed = capsys.readouterr().out
     assert "where a step goes" in printed
     assert "CPU: other threads" in printed
+
+
+@pytest.mark.distributed
+def test_bench_host_runs_every_measure(capsys: pytest.CaptureFixture) -> None:
+    """scripts/bench_host.py on 32 tensors, one rank, one round: a row for
+    every measure, with a time for each model it applies to."""
+    bench_host.main(["--params", "32", "--world-sizes", "1", "--rounds", "1"])
+    rows = {
+        line.split(" | ")[0].removeprefix("| "): line
+        for line in capsys.readouterr().out.splitlines()
+        if line.startswith("| ")
+    }
+    for measure in bench_host.MEASURES:
+        cells = rows[measure].split(" | ")[1:4]  # plain, fsdp2, torch
+        filled = [cell.strip() != "" for cell in cells]
+        assert filled == ([False, True, False] if measure == "clip (fsdp2's)" else [True] * 3)

@@ -1,0 +1,214 @@
+"""Host time of a training step with many parameter tensors: the optimizer
+step, gradient clipping, forward and backward, and the whole step, for the
+plain model, fsdp2 and torch's fully_shard, interleaved in one run.
+
+The model has 16 groups (``fully_shard`` on each, then the root), each of
+P / 16 parameter tensors of 8 x 8 kept as separate parameters (an MoE
+block's experts), all used in every forward, so that every tensor has a
+gradient and the per-tensor host work dominates. The plain model runs the
+same local sizes: at world size W each of its tensors has the rows one rank
+of the sharded models holds (8 / W x 8).
+
+    python scripts/bench_host.py                          # 1k, 5k, 20k tensors; 1 and 2 ranks
+    python scripts/bench_host.py --params 1000 --world-sizes 1 --rounds 5
+
+Each round times every measure once for each model, the models' order
+rotated every round; the table gives the median over the rounds (the
+slowest rank's, at world size 2) and the ratios to plain:
+
+- forward+backward;
+- one optimizer step each of ``AdamW(foreach=True)``, ``AdamW(fused=True)``
+  and ``SGD(foreach=True, momentum=0.9)``, on the gradients of that backward;
+- ``torch.nn.utils.clip_grad_norm_`` and (fsdp2 only) ``fsdp2.clip_grad_norm_``;
+- the whole step: forward, backward, torch's clip, the AdamW foreach step,
+  ``zero_grad()``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import fsdp2  # noqa: E402
+
+GROUPS = 16
+DIM = 8
+BATCH = 4
+MODELS = ("plain", "fsdp2", "torch")
+MEASURES = (
+    "forward+backward",
+    "AdamW foreach",
+    "AdamW fused",
+    "SGD foreach",
+    "clip (torch's)",
+    "clip (fsdp2's)",
+    "whole step",
+)
+
+
+class Experts(nn.Module):
+    """``count`` separate (rows, DIM) weights, summed into one matrix per forward."""
+
+    def __init__(self, count: int, rows: int) -> None:
+        super().__init__()
+        self.experts = nn.ParameterList(
+            nn.Parameter(torch.randn(rows, DIM) * 0.1) for _ in range(count)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = torch.stack(list(self.experts)).sum(0)
+        return x + torch.tanh(x[:, : weight.size(0)] @ weight).sum(1, keepdim=True)
+
+
+def build(params: int, rows: int) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*(Experts(params // GROUPS, rows) for _ in range(GROUPS)))
+
+
+def _models(params: int, world_size: int) -> dict[str, nn.Module]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard  # the reference only
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    models: dict[str, nn.Module] = {"plain": build(params, DIM // world_size)}
+    for name, shard in (("fsdp2", fsdp2.fully_shard), ("torch", torch_fully_shard)):
+        model = build(params, DIM)
+        for group in model:
+            shard(group, mesh=mesh)
+        models[name] = shard(model, mesh=mesh)
+    return models
+
+
+def _optimizers(model: nn.Module) -> dict[str, torch.optim.Optimizer]:
+    params = list(model.parameters())
+    return {
+        "AdamW foreach": torch.optim.AdamW(params, lr=1e-3, foreach=True),
+        "AdamW fused": torch.optim.AdamW(params, lr=1e-3, fused=True),
+        "SGD foreach": torch.optim.SGD(params, lr=1e-3, momentum=0.9, foreach=True),
+    }
+
+
+def _run(rank: int, world_size: int, store: str, params: int, rounds: int, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
+    models = _models(params, world_size)
+    optims = {name: _optimizers(model) for name, model in models.items()}
+    x = torch.randn(BATCH, DIM)
+
+    def backward(model: nn.Module) -> None:
+        model(x).square().mean().backward()
+
+    def measures(name: str) -> dict[str, Callable[[], object]]:
+        model, opt = models[name], optims[name]
+
+        def whole() -> None:
+            backward(model)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt["AdamW foreach"].step()
+            opt["AdamW foreach"].zero_grad()
+
+        found: dict[str, Callable[[], object]] = {
+            "forward+backward": lambda: backward(model),
+            **{key: o.step for key, o in opt.items()},
+            "clip (torch's)": lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0),
+            "whole step": whole,
+        }
+        if name == "fsdp2":
+            found["clip (fsdp2's)"] = lambda: fsdp2.clip_grad_norm_(model.parameters(), 1.0)
+        return found
+
+    times: dict[tuple[str, str], list[float]] = {}
+    for i in range(rounds + 1):  # the first round warms up (optimizer states, lazy init)
+        order = MODELS[i % 3 :] + MODELS[: i % 3]
+        for measure in MEASURES:
+            for name in order:
+                fn = measures(name).get(measure)
+                if fn is None:
+                    continue
+                if measure != "forward+backward" and measure != "whole step":
+                    for model in models.values():
+                        model.zero_grad()
+                    backward(models[name])  # gradients to step or clip
+                dist.barrier()
+                start = time.perf_counter()
+                fn()
+                elapsed = time.perf_counter() - start
+                if i > 0:
+                    times.setdefault((measure, name), []).append(elapsed)
+            for model in models.values():
+                model.zero_grad()
+    medians = torch.tensor([statistics.median(t) for t in times.values()], dtype=torch.float64)
+    dist.all_reduce(medians, op=dist.ReduceOp.MAX)  # the slowest rank's
+    if rank == 0:
+        lines = [f"{m}\t{n}\t{v}" for (m, n), v in zip(times, medians.tolist(), strict=True)]
+        Path(out).write_text("\n".join(lines))
+    gc.collect()
+    dist.destroy_process_group()
+
+
+def _table(results: dict[tuple[str, str], float], params: int, world_size: int) -> str:
+    head = f"{params:,} parameter tensors in {GROUPS} groups, world size {world_size} (ms, median)"
+    rows = [
+        head,
+        f"| measure | {' | '.join(MODELS)} | fsdp2 / plain | torch / plain | fsdp2 / torch |",
+    ]
+    rows.append("|---" * 7 + "|")
+    for measure in MEASURES:
+        values = {n: results.get((measure, n)) for n in MODELS}
+        cells = [f"{v * 1e3:.1f}" if v is not None else "" for v in values.values()]
+        plain, mine, theirs = values["plain"], values["fsdp2"], values["torch"]
+
+        def ratio(a: float | None, b: float | None) -> str:
+            return f"{a / b:.2f}" if a is not None and b else ""
+
+        if measure == "clip (fsdp2's)":  # against plain tensors and torch's clip on torch's
+            plain, theirs = (
+                results.get(("clip (torch's)", "plain")),
+                results.get(("clip (torch's)", "torch")),
+            )
+        rows.append(
+            f"| {measure} | {' | '.join(cells)} | {ratio(mine, plain)} | "
+            f"{ratio(values['torch'], plain)} | {ratio(mine, theirs)} |"
+        )
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--params", type=int, nargs="+", default=[1000, 5000, 20000])
+    p.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--rounds", type=int, default=7)
+    args = p.parse_args(argv)
+    for world_size in args.world_sizes:
+        for params in args.params:
+            with tempfile.TemporaryDirectory() as tmp:
+                out = os.path.join(tmp, "out.tsv")
+                mp.spawn(
+                    _run,
+                    args=(world_size, os.path.join(tmp, "store"), params, args.rounds, out),
+                    nprocs=world_size,
+                )
+                results = {}
+                for line in Path(out).read_text().splitlines():
+                    measure, name, value = line.split("\t")
+                    results[(measure, name)] = float(value)
+            print(_table(results, params, world_size), flush=True)
+            print()
+
+
+if __name__ == "__main__":
+    main()
