@@ -13,8 +13,9 @@ of the sharded models holds (8 / W x 8).
     python scripts/bench_host.py --params 1000 --world-sizes 1 --rounds 5
 
 Each round times every measure once for each model, the models' order
-rotated every round; the table gives the median over the rounds (the
-slowest rank's, at world size 2) and the ratios to plain:
+rotated every round (the optimizer steps and clips on the gradients of the
+round's backward); the table gives the median over the rounds (the slowest
+rank's, at world size 2) and the ratios to plain:
 
 - forward+backward;
 - one optimizer step each of ``AdamW(foreach=True)``, ``AdamW(fused=True)``
@@ -132,25 +133,28 @@ def _run(rank: int, world_size: int, store: str, params: int, rounds: int, out: 
         return found
 
     times: dict[tuple[str, str], list[float]] = {}
+
+    def timed(measure: str, name: str, fn: Callable[[], object], keep: bool) -> None:
+        dist.barrier()
+        start = time.perf_counter()
+        fn()
+        if keep:
+            times.setdefault((measure, name), []).append(time.perf_counter() - start)
+
     for i in range(rounds + 1):  # the first round warms up (optimizer states, lazy init)
         order = MODELS[i % 3 :] + MODELS[: i % 3]
-        for measure in MEASURES:
+        steps = {name: measures(name) for name in MODELS}
+        for name in order:
+            timed("forward+backward", name, steps[name]["forward+backward"], i > 0)
+        # On those gradients: each optimizer step and clip (their values do not
+        # change how long a step takes).
+        for measure in MEASURES[1:-1]:
             for name in order:
-                fn = measures(name).get(measure)
-                if fn is None:
-                    continue
-                if measure != "forward+backward" and measure != "whole step":
-                    for model in models.values():
-                        model.zero_grad()
-                    backward(models[name])  # gradients to step or clip
-                dist.barrier()
-                start = time.perf_counter()
-                fn()
-                elapsed = time.perf_counter() - start
-                if i > 0:
-                    times.setdefault((measure, name), []).append(elapsed)
-            for model in models.values():
-                model.zero_grad()
+                if (fn := steps[name].get(measure)) is not None:
+                    timed(measure, name, fn, i > 0)
+        for name in order:
+            models[name].zero_grad()
+            timed("whole step", name, steps[name]["whole step"], i > 0)
     medians = torch.tensor([statistics.median(t) for t in times.values()], dtype=torch.float64)
     dist.all_reduce(medians, op=dist.ReduceOp.MAX)  # the slowest rank's
     if rank == 0:
@@ -191,7 +195,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--params", type=int, nargs="+", default=[1000, 5000, 20000])
     p.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2])
-    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--rounds", type=int, default=5)
     args = p.parse_args(argv)
     for world_size in args.world_sizes:
         for params in args.params:
