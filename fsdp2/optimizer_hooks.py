@@ -5,7 +5,9 @@ At an optimizer's first step, and again when its parameters change
 (``add_param_group``), the pre-hook works out a ``StepPlan`` and keeps it on
 the optimizer: whether mistakes.py's first-step checks have passed, and
 which of its parameters are pieces sharded over replicas (their kept chunks
-are stale once stepped: over_replicas.py). After that a step costs each hook
+are stale once stepped: over_replicas.py), and, for an elementwise torch
+optimizer that holds fsdp2 parameters, the ``LocalInitGroup`` that makes it
+step their local tensors (local_step.py). After that a step costs each hook
 one lookup and a count of the parameters per param group, plus one
 attribute per piece; an optimizer that holds no fsdp2 parameter pays nothing
 else.
@@ -23,6 +25,7 @@ from torch.optim.optimizer import (
 )
 
 from .common import eager_hook
+from .local_step import LocalInitGroup, install_local_step
 from .markers import KEPT_CHUNK, SHARDED
 from .mistakes import check_optimizer
 
@@ -34,6 +37,7 @@ class StepPlan(NamedTuple):
     sizes: tuple[int, ...]  # parameters per param group when the plan was made
     checked: bool  # mistakes.py's first-step checks passed
     pieces: tuple[torch.Tensor, ...]  # parameters sharded over replicas
+    local: LocalInitGroup | None  # steps the local tensors (local_step.py)
 
 
 @functools.cache
@@ -54,13 +58,15 @@ def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> No
     if plan is not None and plan.checked and plan.sizes == sizes:
         return
     checked = (plan is not None and plan.checked) or check_optimizer(optimizer)
+    holds_fsdp2 = any(SHARDED in p.__dict__ for g in optimizer.param_groups for p in g["params"])
     pieces = tuple(
         p
         for group in optimizer.param_groups
         for p in group["params"]
         if (layout := p.__dict__.get(SHARDED)) is not None and layout.piece is not None
     )
-    optimizer.__dict__[_PLAN] = StepPlan(sizes, checked, pieces)
+    local = install_local_step(optimizer) if holds_fsdp2 else None
+    optimizer.__dict__[_PLAN] = StepPlan(sizes, checked, pieces, local)
 
 
 @eager_hook
@@ -71,6 +77,8 @@ def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Non
     plan = optimizer.__dict__.get(_PLAN)
     if plan is None:
         return
+    if plan.local is not None:
+        plan.local.restore_state()
     for piece in plan.pieces:
         if (kept := piece.__dict__.get(KEPT_CHUNK)) is not None:
             kept.stepped = True

@@ -6,13 +6,19 @@ necessity, as overrides rather than calls: ``FSDPModule._apply`` (module.py)
 extends ``nn.Module._apply``, the one method every ``model.to()``,
 ``.double()`` and ``to_empty()`` goes through, so the group can adopt the
 converted shards; and ``nn.Module._parameters`` is read and written through
-``module_parameters`` below.
+``module_parameters`` below. ``Optimizer._init_group`` (local_step.py) is
+replaced on the instances of torch's elementwise optimizers: it is the one
+point between gathering a group's tensors and running the math on them, and
+no public hook sees the lists; a step pre-hook that swapped the parameter
+lists and states instead would rebuild every state entry twice per step and
+break ``optimizer.state`` for anyone reading it between.
 """
 
 import contextlib
 import copy
 import dataclasses
 import functools
+import operator
 from collections.abc import Callable
 from typing import Any, Literal, TypeVar
 
@@ -36,6 +42,7 @@ __all__ = [
     "flatten_axes",
     "dtensor_from_local_no_grad",
     "dtensor_spec",
+    "dtensor_spec_of",
     "DTensorSpec",
     "foreach_copy_",
     "module_parameters",
@@ -50,6 +57,9 @@ __all__ = [
     "premul_sum",
     "queue_backward_callback",
     "shards_tensor",
+    "step_local_tensors",
+    "dtensor_specs",
+    "locals_in_place",
     "strided_shard",
     "tensors_in",
     "map_tensors",
@@ -293,6 +303,75 @@ def dtensor_from_local_no_grad(local: torch.Tensor, spec: DTensorSpec) -> DTenso
     constructor with a cached spec is what torch's own fully_shard uses.
     """
     return DTensor(local, spec, requires_grad=False)
+
+
+def dtensor_spec_of(dtensor: DTensor) -> DTensorSpec:
+    """The layout description ``dtensor`` holds (to wrap another local tensor laid out alike)."""
+    return dtensor._spec
+
+
+def step_local_tensors(lists: tuple[list[Any], ...]) -> bool:
+    """Puts, in place, each DTensor in ``lists`` by its local tensor, where
+    that is exact for elementwise math: all or nothing (returns whether done).
+
+    ``lists[0]`` are the parameters; every other list has one entry per
+    parameter (a row) or none (Adam's ``max_exp_avg_sqs`` without amsgrad). In a row whose parameter is a DTensor, each other DTensor must have
+    its mesh and placements, and each plain tensor must be a scalar (a step
+    count): then the local tensors are the same elements in the same places.
+
+    Why private: ``to_local()`` is an autograd Function, microseconds per call
+    and several calls per parameter per step, the cost this replaces; the
+    mesh and placements are read from the spec without building a tuple each.
+    """
+    params = lists[0]
+    specs = [p._spec if type(p) is DTensor else None for p in params]
+    locals_: list[list[Any]] = []
+    for tensors in lists:
+        if not tensors:
+            locals_.append(tensors)
+            continue
+        if len(tensors) != len(specs):
+            return False
+        local: list[Any] = []
+        for tensor, spec in zip(tensors, specs, strict=True):
+            if spec is None or tensor is None:
+                local.append(tensor)
+            elif type(tensor) is DTensor:
+                own = tensor._spec
+                if own.placements != spec.placements or (
+                    own.mesh is not spec.mesh and own.mesh != spec.mesh
+                ):
+                    return False
+                local.append(tensor._local_tensor)
+            elif tensor.ndim == 0:
+                local.append(tensor)
+            else:
+                return False
+        locals_.append(local)
+    for tensors, local in zip(lists, locals_, strict=True):
+        tensors[:] = local
+    return True
+
+
+_SPEC = operator.attrgetter("_spec")
+_LOCAL = operator.attrgetter("_local_tensor")
+
+
+def dtensor_specs(tensors: list[Any]) -> list[DTensorSpec] | None:
+    """The spec of each of ``tensors``, or None if one is not a DTensor.
+
+    Why private: as ``step_local_tensors``, at C speed (one ``map``): an
+    optimizer step checks every gradient and state this way.
+    """
+    try:
+        return list(map(_SPEC, tensors))
+    except AttributeError:
+        return None
+
+
+def locals_in_place(dtensors: list[Any]) -> None:
+    """Puts each of ``dtensors`` by its local tensor (why private: as above)."""
+    dtensors[:] = map(_LOCAL, dtensors)
 
 
 def concatenate_meshes(meshes: list[DeviceMesh]) -> DeviceMesh:
