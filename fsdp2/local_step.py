@@ -31,8 +31,9 @@ path; so do compiled steps and ``differentiable=True``.
 
 SGD writes its momentum buffers back into its state after its math, from the
 lists it stepped, so under the local tensors' keys: ``restore_state`` then
-drops those entries and puts DTensors back under the parameters' (the ones
-it had, or new ones around the first step's buffers).
+drops those entries, and wraps the buffers a step made as DTensors under the
+parameters' keys (the buffers it already had are DTensors there, updated in
+place through their local tensors).
 """
 
 from __future__ import annotations
@@ -158,14 +159,16 @@ class LocalInitGroup:
         _, key = self._written_back
         state = optimizer.state
         for params, stepped, before, after in self._to_restore:
-            for param, local, old, new in zip(params, stepped, before, after, strict=True):
-                if local is param:
-                    continue
-                state.pop(local, None)
-                if new is not None:
-                    if old is None:
-                        old = dtensor_from_local_no_grad(new, dtensor_spec_of(param))
-                    state[param][key] = old
+            # The entries the step made under the local tensors' keys; the
+            # parameters' own entries still hold their DTensors.
+            for param, local in zip(params, stepped, strict=True):
+                if local is not param:
+                    state.pop(local, None)
+            if any(old is None for old in before):  # buffers the step made
+                for param, local, old, new in zip(params, stepped, before, after, strict=True):
+                    if old is None and new is not None and local is not param:
+                        wrapped = dtensor_from_local_no_grad(new, dtensor_spec_of(param))
+                        state[param][key] = wrapped
         self._to_restore.clear()
 
 

@@ -12,6 +12,13 @@ of the sharded models holds (8 / W x 8).
     python scripts/bench_host.py                          # 1k, 5k, 20k tensors; 1 and 2 ranks
     python scripts/bench_host.py --params 1000 --world-sizes 1 --rounds 5
 
+torch's fully_shard runs up to ``--torch-up-to`` tensors (1000 by default):
+its first optimizer step and first clip on DTensors propagate shardings
+uncached, and that grows faster than the tensor count (on this 2-core
+machine the first AdamW foreach step took 30 s at 1k tensors and 124 s at
+2k), so a 5k run of it would take most of an hour before its first timed
+round.
+
 Each round times every measure once for each model, the models' order
 rotated every round (the optimizer steps and clips on the gradients of the
 round's backward); the table gives the median over the rounds (the slowest
@@ -22,7 +29,9 @@ rank's, at world size 2) and the ratios to plain:
   and ``SGD(foreach=True, momentum=0.9)``, on the gradients of that backward;
 - ``torch.nn.utils.clip_grad_norm_`` and (fsdp2 only) ``fsdp2.clip_grad_norm_``;
 - the whole step: forward, backward, torch's clip, the AdamW foreach step,
-  ``zero_grad()``.
+  ``zero_grad()``;
+- once, not a median: the first step of each optimizer (which makes its
+  states) and the first clip, timed in the warm-up round.
 """
 
 from __future__ import annotations
@@ -50,6 +59,8 @@ GROUPS = 16
 DIM = 8
 BATCH = 4
 MODELS = ("plain", "fsdp2", "torch")
+# Timed in the warm-up round too: the first call, once.
+FIRSTS = ("AdamW foreach", "AdamW fused", "SGD foreach", "clip (torch's)")
 MEASURES = (
     "forward+backward",
     "AdamW foreach",
@@ -80,13 +91,15 @@ def build(params: int, rows: int) -> nn.Sequential:
     return nn.Sequential(*(Experts(params // GROUPS, rows) for _ in range(GROUPS)))
 
 
-def _models(params: int, world_size: int) -> dict[str, nn.Module]:
+def _models(params: int, world_size: int, with_torch: bool) -> dict[str, nn.Module]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard as torch_fully_shard  # the reference only
 
     mesh = init_device_mesh("cpu", (world_size,))
     models: dict[str, nn.Module] = {"plain": build(params, DIM // world_size)}
     for name, shard in (("fsdp2", fsdp2.fully_shard), ("torch", torch_fully_shard)):
+        if name == "torch" and not with_torch:
+            continue
         model = build(params, DIM)
         for group in model:
             shard(group, mesh=mesh)
@@ -103,10 +116,13 @@ def _optimizers(model: nn.Module) -> dict[str, torch.optim.Optimizer]:
     }
 
 
-def _run(rank: int, world_size: int, store: str, params: int, rounds: int, out: str) -> None:
+def _run(
+    rank: int, world_size: int, store: str, params: int, rounds: int, with_torch: bool, out: str
+) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
-    models = _models(params, world_size)
+    models = _models(params, world_size, with_torch)
+    names = [name for name in MODELS if name in models]
     optims = {name: _optimizers(model) for name, model in models.items()}
     x = torch.randn(BATCH, DIM)
 
@@ -138,12 +154,15 @@ def _run(rank: int, world_size: int, store: str, params: int, rounds: int, out: 
         dist.barrier()
         start = time.perf_counter()
         fn()
+        elapsed = time.perf_counter() - start
         if keep:
-            times.setdefault((measure, name), []).append(time.perf_counter() - start)
+            times.setdefault((measure, name), []).append(elapsed)
+        elif measure in FIRSTS:
+            times[(f"first {measure}", name)] = [elapsed]
 
     for i in range(rounds + 1):  # the first round warms up (optimizer states, lazy init)
-        order = MODELS[i % 3 :] + MODELS[: i % 3]
-        steps = {name: measures(name) for name in MODELS}
+        order = names[i % len(names) :] + names[: i % len(names)]
+        steps = {name: measures(name) for name in names}
         for name in order:
             timed("forward+backward", name, steps[name]["forward+backward"], i > 0)
         # On those gradients: each optimizer step and clip (their values do not
@@ -171,7 +190,7 @@ def _table(results: dict[tuple[str, str], float], params: int, world_size: int) 
         f"| measure | {' | '.join(MODELS)} | fsdp2 / plain | torch / plain | fsdp2 / torch |",
     ]
     rows.append("|---" * 7 + "|")
-    for measure in MEASURES:
+    for measure in MEASURES + tuple(f"first {m}" for m in FIRSTS):
         values = {n: results.get((measure, n)) for n in MODELS}
         cells = [f"{v * 1e3:.1f}" if v is not None else "" for v in values.values()]
         plain, mine, theirs = values["plain"], values["fsdp2"], values["torch"]
@@ -196,6 +215,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--params", type=int, nargs="+", default=[1000, 5000, 20000])
     p.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2])
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--torch-up-to", type=int, default=1000, help="the most tensors torch runs")
     args = p.parse_args(argv)
     for world_size in args.world_sizes:
         for params in args.params:
@@ -203,7 +223,14 @@ def main(argv: list[str] | None = None) -> None:
                 out = os.path.join(tmp, "out.tsv")
                 mp.spawn(
                     _run,
-                    args=(world_size, os.path.join(tmp, "store"), params, args.rounds, out),
+                    args=(
+                        world_size,
+                        os.path.join(tmp, "store"),
+                        params,
+                        args.rounds,
+                        params <= args.torch_up_to,
+                        out,
+                    ),
                     nprocs=world_size,
                 )
                 results = {}

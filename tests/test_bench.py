@@ -42,15 +42,21 @@ def test_bench_runs_and_reports(tmp_path: Path, capsys: pytest.CaptureFixture) -
 
 @pytest.mark.distributed
 def test_bench_host_runs_every_measure(capsys: pytest.CaptureFixture) -> None:
-    """scripts/bench_host.py on 32 tensors, one rank, one round: a row for
-    every measure, with a time for each model it applies to."""
-    bench_host.main(["--params", "32", "--world-sizes", "1", "--rounds", "1"])
-    rows = {
-        line.split(" | ")[0].removeprefix("| "): line
-        for line in capsys.readouterr().out.splitlines()
-        if line.startswith("| ")
-    }
-    for measure in bench_host.MEASURES:
-        cells = rows[measure].split(" | ")[1:4]  # plain, fsdp2, torch
-        filled = [cell.strip() != "" for cell in cells]
-        assert filled == ([False, True, False] if measure == "clip (fsdp2's)" else [True] * 3)
+    """scripts/bench_host.py on 32 and 48 tensors, one rank, one round: a row
+    for every measure and every first call, with a time for each model it
+    applies to; torch's model left out above ``--torch-up-to``."""
+    args = ["--params", "32", "48", "--world-sizes", "1", "--rounds", "1", "--torch-up-to", "40"]
+    bench_host.main(args)
+    tables = capsys.readouterr().out.split("\n\n")
+    for table, with_torch in zip(tables[:2], (True, False), strict=True):
+        rows = {
+            line.split(" | ")[0].removeprefix("| "): line
+            for line in table.splitlines()
+            if line.startswith("| ")
+        }
+        firsts = tuple(f"first {m}" for m in bench_host.FIRSTS)
+        for measure in bench_host.MEASURES + firsts:
+            cells = rows[measure].split(" | ")[1:4]  # plain, fsdp2, torch
+            filled = [cell.strip() != "" for cell in cells]
+            expected = [False, True, False] if measure == "clip (fsdp2's)" else [True] * 3
+            assert filled == [*expected[:2], expected[2] and with_torch], (measure, table)
