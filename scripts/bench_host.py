@@ -12,12 +12,14 @@ of the sharded models holds (8 / W x 8).
     python scripts/bench_host.py                          # 1k, 5k, 20k tensors; 1 and 2 ranks
     python scripts/bench_host.py --params 1000 --world-sizes 1 --rounds 5
 
-torch's fully_shard runs up to ``--torch-up-to`` tensors (1000 by default):
-its first optimizer step and first clip on DTensors propagate shardings
+Torch's code on DTensors runs up to ``--torch-up-to`` tensors (1000 by
+default): torch's fully_shard, and ``clip_grad_norm_`` on fsdp2's gradients.
+Its first optimizer step and its first clip on DTensors propagate shardings
 uncached, and that grows faster than the tensor count (on this 2-core
 machine the first AdamW foreach step took 30 s at 1k tensors and 124 s at
-2k), so a 5k run of it would take most of an hour before its first timed
-round.
+2k; torch's first clip over fsdp2's gradients 4.4 s at 1k and 76 s at 5k),
+so a 5k run of it would take most of an hour before its first timed round.
+Above it fsdp2's whole step clips with ``fsdp2.clip_grad_norm_``.
 
 Each round times every measure once for each model, the models' order
 rotated every round (the optimizer steps and clips on the gradients of the
@@ -28,10 +30,8 @@ rank's, at world size 2) and the ratios to plain:
 - one optimizer step each of ``AdamW(foreach=True)``, ``AdamW(fused=True)``
   and ``SGD(foreach=True, momentum=0.9)``, on the gradients of that backward;
 - ``torch.nn.utils.clip_grad_norm_`` and (fsdp2 only) ``fsdp2.clip_grad_norm_``;
-- the whole step: forward, backward, torch's clip, the AdamW foreach step,
-  ``zero_grad()``;
-- once, not a median: the first step of each optimizer (which makes its
-  states) and the first clip, timed in the warm-up round.
+- the whole step: forward, backward, a clip (torch's; fsdp2's own for fsdp2
+  above ``--torch-up-to``), the AdamW foreach step, ``zero_grad()``.
 """
 
 from __future__ import annotations
@@ -59,8 +59,6 @@ GROUPS = 16
 DIM = 8
 BATCH = 4
 MODELS = ("plain", "fsdp2", "torch")
-# Timed in the warm-up round too: the first call, once.
-FIRSTS = ("AdamW foreach", "AdamW fused", "SGD foreach", "clip (torch's)")
 MEASURES = (
     "forward+backward",
     "AdamW foreach",
@@ -131,21 +129,29 @@ def _run(
 
     def measures(name: str) -> dict[str, Callable[[], object]]:
         model, opt = models[name], optims[name]
+        params = list(model.parameters())
+        torch_clip = name != "fsdp2" or with_torch  # torch's code on fsdp2's DTensors
+
+        def clip() -> object:
+            if torch_clip:
+                return torch.nn.utils.clip_grad_norm_(params, 1.0)
+            return fsdp2.clip_grad_norm_(params, 1.0)
 
         def whole() -> None:
             backward(model)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            clip()
             opt["AdamW foreach"].step()
             opt["AdamW foreach"].zero_grad()
 
         found: dict[str, Callable[[], object]] = {
             "forward+backward": lambda: backward(model),
             **{key: o.step for key, o in opt.items()},
-            "clip (torch's)": lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0),
             "whole step": whole,
         }
+        if torch_clip:
+            found["clip (torch's)"] = lambda: torch.nn.utils.clip_grad_norm_(params, 1.0)
         if name == "fsdp2":
-            found["clip (fsdp2's)"] = lambda: fsdp2.clip_grad_norm_(model.parameters(), 1.0)
+            found["clip (fsdp2's)"] = lambda: fsdp2.clip_grad_norm_(params, 1.0)
         return found
 
     times: dict[tuple[str, str], list[float]] = {}
@@ -157,8 +163,6 @@ def _run(
         elapsed = time.perf_counter() - start
         if keep:
             times.setdefault((measure, name), []).append(elapsed)
-        elif measure in FIRSTS:
-            times[(f"first {measure}", name)] = [elapsed]
 
     for i in range(rounds + 1):  # the first round warms up (optimizer states, lazy init)
         order = names[i % len(names) :] + names[: i % len(names)]
@@ -190,7 +194,7 @@ def _table(results: dict[tuple[str, str], float], params: int, world_size: int) 
         f"| measure | {' | '.join(MODELS)} | fsdp2 / plain | torch / plain | fsdp2 / torch |",
     ]
     rows.append("|---" * 7 + "|")
-    for measure in MEASURES + tuple(f"first {m}" for m in FIRSTS):
+    for measure in MEASURES:
         values = {n: results.get((measure, n)) for n in MODELS}
         cells = [f"{v * 1e3:.1f}" if v is not None else "" for v in values.values()]
         plain, mine, theirs = values["plain"], values["fsdp2"], values["torch"]
