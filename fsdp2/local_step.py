@@ -20,9 +20,11 @@ gradient, a state loaded with other placements) keeps the whole group on
 DTensors for that step, which is right, only slower.
 
 Checking each row costs more than an elementwise step on small tensors, so a
-group whose lists hold the same layouts as at a step before (its DTensors'
-specs are the same objects, its plain scalars the same tensors) skips it:
-that comparison, and the swap, are each one ``map`` over a list.
+group of DTensor parameters whose lists hold the same layouts as at a step
+before (its DTensors' specs are the same objects, its plain scalars the same
+tensors) skips it: that comparison, and the swap, are each one ``map`` over
+a list. A group that mixes plain and DTensor parameters is checked every
+step.
 
 Only the classes in ``ELEMENTWISE`` (exact classes: a subclass may override
 ``step`` with math that is not elementwise, as LARS does over SGD). Others
@@ -116,7 +118,8 @@ def _step_locally(lists: tuple[list[Any], ...], checked: dict[int, _Layouts], ke
     if not step_local_tensors(lists):
         checked.pop(key, None)
         return False
-    checked[key] = layouts
+    if layouts[0] is not None and layouts[0][0]:  # every parameter a DTensor
+        checked[key] = layouts
     return True
 
 

@@ -315,9 +315,11 @@ def step_local_tensors(lists: tuple[list[Any], ...]) -> bool:
     that is exact for elementwise math: all or nothing (returns whether done).
 
     ``lists[0]`` are the parameters; every other list has one entry per
-    parameter (a row) or none (Adam's ``max_exp_avg_sqs`` without amsgrad). In a row whose parameter is a DTensor, each other DTensor must have
-    its mesh and placements, and each plain tensor must be a scalar (a step
+    parameter (a row) or none (Adam's ``max_exp_avg_sqs`` without amsgrad).
+    In a row whose parameter is a DTensor, each other DTensor must have its
+    mesh and placements, and each plain tensor must be a scalar (a step
     count): then the local tensors are the same elements in the same places.
+    A row whose parameter is plain is left as it is.
 
     Why private: ``to_local()`` is an autograd Function, microseconds per call
     and several calls per parameter per step, the cost this replaces; the

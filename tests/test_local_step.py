@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fsdp2
-from fsdp2.local_step import ELEMENTWISE, LocalInitGroup
+from fsdp2.local_step import ELEMENTWISE, LocalInitGroup, _step_locally
 from fsdp2.private_api import step_local_tensors
 
 pytestmark = pytest.mark.distributed
@@ -329,3 +329,19 @@ def test_step_local_tensors_is_all_or_nothing(spoil: str) -> None:
         lists = (list(params), spoiled, list(steps))
         assert not step_local_tensors(lists)
         assert lists[0] == params and lists[1] == spoiled
+
+
+def test_a_group_mixing_plain_and_dtensor_parameters_is_checked_every_step() -> None:
+    """The remembered layouts are for groups of DTensor parameters only: in a
+    mixed group a DTensor in a plain parameter's row stays a DTensor, at the
+    second step as at the first."""
+    with fake_world(2):
+        mesh = init_device_mesh("cpu", (2,))
+        sharded = DTensor.from_local(torch.ones(2, 3), mesh, [Shard(0)])
+        states = [DTensor.from_local(torch.zeros(2, 3), mesh, [Shard(0)]) for _ in range(2)]
+        checked: dict = {}
+        for _ in range(2):
+            lists = ([sharded, torch.ones(4, 3)], list(states))
+            assert _step_locally(lists, checked, key=0)
+            assert type(lists[1][0]) is torch.Tensor and lists[1][1] is states[1]
+        assert checked == {}
