@@ -11,6 +11,11 @@ of the sharded models holds (8 / W x 8).
 
     python scripts/bench_host.py                          # 1k, 5k, 20k tensors; 1 and 2 ranks
     python scripts/bench_host.py --params 1000 --world-sizes 1 --rounds 5
+    python scripts/bench_host.py --device cuda --world-sizes 1  # one GPU, NCCL
+
+On a GPU each measure ends with ``torch.cuda.synchronize()``, so a time is
+the host's or the device's, whichever is longer: with tensors this small the
+host's.
 
 Torch's code on DTensors runs up to ``--torch-up-to`` tensors (1000 by
 default): torch's fully_shard, and ``clip_grad_norm_`` on fsdp2's gradients.
@@ -89,16 +94,18 @@ def build(params: int, rows: int) -> nn.Sequential:
     return nn.Sequential(*(Experts(params // GROUPS, rows) for _ in range(GROUPS)))
 
 
-def _models(params: int, world_size: int, with_torch: bool) -> dict[str, nn.Module]:
+def _models(
+    params: int, world_size: int, with_torch: bool, device: torch.device
+) -> dict[str, nn.Module]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard as torch_fully_shard  # the reference only
 
-    mesh = init_device_mesh("cpu", (world_size,))
-    models: dict[str, nn.Module] = {"plain": build(params, DIM // world_size)}
+    mesh = init_device_mesh(device.type, (world_size,))
+    models: dict[str, nn.Module] = {"plain": build(params, DIM // world_size).to(device)}
     for name, shard in (("fsdp2", fsdp2.fully_shard), ("torch", torch_fully_shard)):
         if name == "torch" and not with_torch:
             continue
-        model = build(params, DIM)
+        model = build(params, DIM).to(device)
         for group in model:
             shard(group, mesh=mesh)
         models[name] = shard(model, mesh=mesh)
@@ -115,14 +122,28 @@ def _optimizers(model: nn.Module) -> dict[str, torch.optim.Optimizer]:
 
 
 def _run(
-    rank: int, world_size: int, store: str, params: int, rounds: int, with_torch: bool, out: str
+    rank: int,
+    world_size: int,
+    store: str,
+    params: int,
+    rounds: int,
+    with_torch: bool,
+    device_type: str,
+    out: str,
 ) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
-    models = _models(params, world_size, with_torch)
+    device = torch.device(device_type, rank if device_type == "cuda" else None)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(
+        backend, init_method=f"file://{store}", rank=rank, world_size=world_size
+    )
+    models = _models(params, world_size, with_torch, device)
     names = [name for name in MODELS if name in models]
     optims = {name: _optimizers(model) for name, model in models.items()}
-    x = torch.randn(BATCH, DIM)
+    x = torch.randn(BATCH, DIM, device=device)
+    synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     def backward(model: nn.Module) -> None:
         model(x).square().mean().backward()
@@ -160,6 +181,7 @@ def _run(
         dist.barrier()
         start = time.perf_counter()
         fn()
+        synchronize()
         elapsed = time.perf_counter() - start
         if keep:
             times.setdefault((measure, name), []).append(elapsed)
@@ -178,7 +200,9 @@ def _run(
         for name in order:
             models[name].zero_grad()
             timed("whole step", name, steps[name]["whole step"], i > 0)
-    medians = torch.tensor([statistics.median(t) for t in times.values()], dtype=torch.float64)
+    medians = torch.tensor(
+        [statistics.median(t) for t in times.values()], dtype=torch.float64, device=device
+    )
     dist.all_reduce(medians, op=dist.ReduceOp.MAX)  # the slowest rank's
     if rank == 0:
         lines = [f"{m}\t{n}\t{v}" for (m, n), v in zip(times, medians.tolist(), strict=True)]
@@ -187,8 +211,13 @@ def _run(
     dist.destroy_process_group()
 
 
-def _table(results: dict[tuple[str, str], float], params: int, world_size: int) -> str:
-    head = f"{params:,} parameter tensors in {GROUPS} groups, world size {world_size} (ms, median)"
+def _table(
+    results: dict[tuple[str, str], float], params: int, world_size: int, device: str
+) -> str:
+    head = (
+        f"{params:,} parameter tensors in {GROUPS} groups, world size {world_size}, {device}"
+        " (ms, median)"
+    )
     rows = [
         head,
         f"| measure | {' | '.join(MODELS)} | fsdp2 / plain | torch / plain | fsdp2 / torch |",
@@ -220,7 +249,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2])
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--torch-up-to", type=int, default=1000, help="the most tensors torch runs")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     args = p.parse_args(argv)
+    if args.device == "cuda" and max(args.world_sizes) > torch.cuda.device_count():
+        p.error(f"--device cuda needs a GPU per rank; this machine has {torch.cuda.device_count()}")
     for world_size in args.world_sizes:
         for params in args.params:
             with tempfile.TemporaryDirectory() as tmp:
@@ -233,6 +265,7 @@ def main(argv: list[str] | None = None) -> None:
                         params,
                         args.rounds,
                         params <= args.torch_up_to,
+                        args.device,
                         out,
                     ),
                     nprocs=world_size,
@@ -241,7 +274,7 @@ def main(argv: list[str] | None = None) -> None:
                 for line in Path(out).read_text().splitlines():
                     measure, name, value = line.split("\t")
                     results[(measure, name)] = float(value)
-            print(_table(results, params, world_size), flush=True)
+            print(_table(results, params, world_size, args.device), flush=True)
             print()
 
 
