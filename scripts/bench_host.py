@@ -211,9 +211,7 @@ def _run(
     dist.destroy_process_group()
 
 
-def _table(
-    results: dict[tuple[str, str], float], params: int, world_size: int, device: str
-) -> str:
+def _table(results: dict[tuple[str, str], float], params: int, world_size: int, device: str) -> str:
     head = (
         f"{params:,} parameter tensors in {GROUPS} groups, world size {world_size}, {device}"
         " (ms, median)"
