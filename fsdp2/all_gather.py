@@ -23,6 +23,7 @@ Variants:
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -31,12 +32,21 @@ import torch
 from .comm import ALL_GATHER, CommContext, CommKind, InFlight
 from .compressed import Int8Rows, all_gather_row, copy_out_int8
 from .primitives import Collectives
-from .private_api import foreach_copy_
+from .private_api import foreach_copy_, local_tensor
 
 if TYPE_CHECKING:
     from .param import FSDPParam
 
 Slot = tuple[int, torch.dtype]  # (elements, dtype) of one input in a rank's block
+
+
+class CopyIn(NamedTuple):
+    """The copy-in of kept inputs: the inputs with the padding after each, in
+    block order, concatenated (and cast) into this rank's block by one cat."""
+
+    sources: list[torch.Tensor]
+    buffer_dtype: torch.dtype
+    block_numel: int
 
 
 class AllGatherInputs(NamedTuple):
@@ -47,10 +57,14 @@ class AllGatherInputs(NamedTuple):
     # Per slot: whether a compressed all-gather may round it (an extension's
     # inputs travel as their own bytes).
     plain: tuple[bool, ...]
+    # Kept inputs (``KeptInputs``): one ``torch.cat`` writes this rank's block.
+    copy_in: CopyIn | None = None
 
     @property
     def block_numel(self) -> int:
         """This rank's block, in the buffer's units (what the order check compares)."""
+        if self.copy_in is not None:
+            return self.copy_in.block_numel
         if all_gather_dtype([dtype for _, dtype in self.slots]) is torch.uint8:
             return sum(n * dtype.itemsize for n, dtype in self.slots)
         return sum(n for n, _ in self.slots)
@@ -91,6 +105,47 @@ def as_buffer_dtype(tensor: torch.Tensor, buffer_dtype: torch.dtype) -> torch.Te
     return tensor
 
 
+class KeptInputs:
+    """A group's all-gather inputs kept across iterations while its shards stay
+    the same tensors: the flat views of the local shards, and what one
+    ``torch.cat`` needs to write them into this rank's block (padding
+    included, read from one spare buffer and never read back). Only for
+    shards on the buffer's device in one typed buffer (no extension, no CPU
+    offload): cat casts to the buffer's dtype as the slot-by-slot copy does."""
+
+    def __init__(self, params: list[FSDPParam], inputs: AllGatherInputs) -> None:
+        self.locals = [local_tensor(p.sharded_param) for p in params]
+        self.dtypes = [p.param_dtype for p in params]
+        numels = [x.numel() for x in inputs.tensors]
+        pads = [numel - x for (numel, _), x in zip(inputs.slots, numels, strict=True)]
+        dtype = inputs.slots[0][1]
+        spare = torch.empty(max(pads), dtype=dtype, device=inputs.tensors[0].device)
+        sources = []
+        for tensor, pad in zip(inputs.tensors, pads, strict=True):
+            sources += [tensor, spare[:pad]] if pad else [tensor]
+        block_numel = sum(numel for numel, _ in inputs.slots)
+        self.inputs = inputs._replace(copy_in=CopyIn(sources, dtype, block_numel))
+
+    @staticmethod
+    def keepable(params: list[FSDPParam], inputs: AllGatherInputs) -> bool:
+        return (
+            bool(params)
+            and all(p.extension is None and not p.offload for p in params)
+            and all_gather_dtype([dtype for _, dtype in inputs.slots]) is not torch.uint8
+        )
+
+    def still_of(self, params: list[FSDPParam]) -> bool:
+        return (
+            len(params) == len(self.locals)
+            and all(map(operator.is_, map(local_tensor, map(_sharded, params)), self.locals))
+            and all(map(operator.is_, map(_param_dtype, params), self.dtypes))
+        )
+
+
+_sharded = operator.attrgetter("sharded_param")
+_param_dtype = operator.attrgetter("param_dtype")
+
+
 def params_inputs(params: list[FSDPParam]) -> AllGatherInputs:
     """The parameters' own inputs: their local shards, or what an extension's
     ``fsdp_pre_all_gather`` returns."""
@@ -118,15 +173,30 @@ class AllGatherComm:
         self.world_size = world_size
         self.exchanges = exchanges
         self.kind = kind
+        self._kept: KeptInputs | None = None
 
     def inputs(self, params: list[FSDPParam], comm: CommContext, name: str) -> AllGatherInputs:
         """What this rank contributes for ``params`` (a group's sharded ones)."""
-        return params_inputs(params)
+        kept = self._kept
+        if kept is not None and kept.still_of(params):
+            return kept.inputs
+        inputs = params_inputs(params)
+        self._kept = KeptInputs(params, inputs) if KeptInputs.keepable(params, inputs) else None
+        return inputs if self._kept is None else self._kept.inputs
 
     @torch.no_grad()
     def gather(self, inputs: AllGatherInputs, comm: CommContext, name: str) -> AllGatherInFlight:
         """Copies the inputs into this rank's block of a new buffer and starts
         the all-gather."""
+        if (copy_in := inputs.copy_in) is not None:
+            all_gather_output = self.collectives.allocate(
+                self.world_size * copy_in.block_numel, copy_in.buffer_dtype, comm.device
+            )
+            block = all_gather_output.narrow(
+                0, self.rank * copy_in.block_numel, copy_in.block_numel
+            )
+            torch.cat(copy_in.sources, out=block)
+            return self._issue(all_gather_output, block, comm, name)
         slots = inputs.slots
         buffer_dtype = all_gather_dtype([dtype for _, dtype in slots])
         tensors = inputs.tensors
@@ -145,15 +215,16 @@ class AllGatherComm:
         if not tensors:  # every parameter of the group is kept whole
             return AllGatherInFlight(all_gather_output, comm.done_here(), self.copy_out)
         all_gather_input = all_gather_output.narrow(0, self.rank * block_numel, block_numel)
-        split_sizes = []  # alternating [data, padding]: the padding slots are never read
-        for x, slot_numel in zip(tensors, slot_numels, strict=True):
-            split_sizes += [x.numel(), slot_numel - x.numel()]
-        # Accelerators: from pinned CPU shards (offload) the copy does not block the host.
-        foreach_copy_(
-            all_gather_input.split_with_sizes(split_sizes)[::2],
-            tensors,
-            non_blocking=comm.uses_streams,
-        )
+        self._copy_in(tensors, slot_numels, all_gather_input, comm)
+        return self._issue(all_gather_output, all_gather_input, comm, name)
+
+    def _issue(
+        self,
+        all_gather_output: torch.Tensor,
+        all_gather_input: torch.Tensor,
+        comm: CommContext,
+        name: str,
+    ) -> AllGatherInFlight:
         if not self.exchanges:  # the input is the whole output
             return AllGatherInFlight(all_gather_output, comm.done_here(), self.copy_out)
         collectives = self.collectives
@@ -164,6 +235,23 @@ class AllGatherComm:
             lambda async_op: collectives.all_gather(all_gather_output, all_gather_input, async_op),
         )
         return AllGatherInFlight(all_gather_output, in_flight, self.copy_out)
+
+    @staticmethod
+    def _copy_in(
+        tensors: list[torch.Tensor],
+        slot_numels: list[int],
+        all_gather_input: torch.Tensor,
+        comm: CommContext,
+    ) -> None:
+        split_sizes = []  # alternating [data, padding]: the padding slots are never read
+        for x, slot_numel in zip(tensors, slot_numels, strict=True):
+            split_sizes += [x.numel(), slot_numel - x.numel()]
+        # Accelerators: from pinned CPU shards (offload) the copy does not block the host.
+        foreach_copy_(
+            all_gather_input.split_with_sizes(split_sizes)[::2],
+            tensors,
+            non_blocking=comm.uses_streams,
+        )
 
     @torch.no_grad()
     def copy_out(self, all_gather_output: torch.Tensor, outputs: list[torch.Tensor]) -> None:

@@ -100,6 +100,9 @@ class FSDPParam:
         )
         self.sharded_param.__dict__[SHARDED] = layout
         self._unsharded_padded: torch.Tensor | None = None
+        # (unsharded_padded, world size, its rank-major view): a view stays valid
+        # across the storage's frees and reallocations.
+        self._rank_major: tuple[torch.Tensor, int, torch.Tensor] | None = None
         self._grad_spec: DTensorSpec | None = None  # of the sharded grad, built on first use
         self.unsharded_param: nn.Parameter | None = None
         # Sum of unsharded gradients of backwards run without gradient sync.
@@ -240,9 +243,10 @@ class FSDPParam:
         return dtensor_from_local_no_grad(local, spec)
 
     def _assign_sharded_grad(self, local: torch.Tensor) -> None:
-        self.sharded_param.grad = self._as_sharded_grad(local)
+        self.sharded_param.grad = self.as_sharded_grad(local)
 
-    def _as_sharded_grad(self, local: torch.Tensor) -> DTensor:
+    def as_sharded_grad(self, local: torch.Tensor) -> DTensor:
+        """``local`` (shaped like the local shard) as this parameter's sharded grad."""
         if self._grad_spec is None:
             layout = self.layout
             self._grad_spec = dtensor_spec(
@@ -287,7 +291,15 @@ class FSDPParam:
         """Where the copy-out writes, storage allocated, one per slot, rank-major
         (row k receives rank k's slot; see ``rank_major``)."""
         if self.extension is None:
-            return [self.layout.rank_major(self.alloc_unsharded(), world_size)]
+            padded = self.alloc_unsharded()
+            kept = self._rank_major
+            if kept is None or kept[0] is not padded or kept[1] != world_size:
+                kept = self._rank_major = (
+                    padded,
+                    world_size,
+                    self.layout.rank_major(padded, world_size),
+                )
+            return [kept[2]]
         return self.extension.alloc_outputs(world_size)
 
     def finish_unshard(self) -> None:
@@ -418,7 +430,7 @@ class FSDPParam:
             return copy_to_host(local_grad, self.orig_dtype, add_to, ops)
         local_grad = local_grad.to(self.shard_device, self.orig_dtype)
         if grad is None:
-            self.sharded_param.grad = self._as_sharded_grad(local_grad)
+            self.sharded_param.grad = self.as_sharded_grad(local_grad)
         else:
             local_tensor(grad).add_(local_grad)
         # Autograd never accumulates into the sharded parameter, so hooks registered

@@ -40,6 +40,7 @@ from .param import FSDPParam
 from .post_backward import PostBackwardCount
 from .private_api import outside_functorch, profiled
 from .reduce_scatter import ReduceInFlight
+from .sharded_grads import GroupGrads
 
 logger = logging.getLogger("fsdp2")
 
@@ -109,6 +110,10 @@ class FSDPParamGroup:
         self.all_gathers_started = 0  # tells one all-gather from the next (UnshardHandle)
         # The PostBackward nodes of the forward in progress (see pre_forward).
         self.post_backward_count: PostBackwardCount | None = None
+        # The sharded grads, made once and reused (sharded_grads.py); not with
+        # CPU offload, whose grads go to pinned host memory.
+        offload = any(p.offload for p in fsdp_params)
+        self.sharded_grads: GroupGrads | None = None if offload else GroupGrads()
 
     def configure(self, **changes: object) -> None:
         """Changes the communication settings (``CommSettings``' fields) and
@@ -264,6 +269,8 @@ class FSDPParamGroup:
         its forward; the first call starts counting its ``PostBackward`` nodes."""
         if self.training_state is not TrainingState.FORWARD:
             self.post_backward_count = PostBackwardCount()
+            if self.sharded_grads is not None:
+                self.sharded_grads.release()  # dropped by zero_grad(): no memory through forward
         self.training_state = TrainingState.FORWARD
         self.unshard()
         self.wait_for_unshard()

@@ -276,6 +276,16 @@ def post_accumulate_grad_hooks(param: torch.Tensor) -> list[Callable]:
     return [] if hooks is None else list(hooks.values())
 
 
+def storage_use_count(tensor: torch.Tensor) -> int:
+    """How many tensors (and storage handles) share ``tensor``'s storage.
+
+    Why private: a group's sharded grads are reused across iterations only if
+    no tensor outside fsdp2 views their storage (sharded_grads.py); Python
+    reference counts cannot see a view, and no public API counts them.
+    """
+    return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)
+
+
 def module_parameters(module: torch.nn.Module) -> dict[str, torch.nn.Parameter | None]:
     """``module``'s own parameters by name, the dict itself (writable).
 

@@ -32,6 +32,7 @@ from .offload import HostCopy
 from .param_group import FSDPParamGroup, GroupContext
 from .private_api import profiled
 from .reduce_scatter import ReduceInFlight
+from .sharded_grads import GroupGrads
 
 logger = logging.getLogger("fsdp2")
 
@@ -52,7 +53,7 @@ class ReductionPipeline:
         self.across_replicas: deque[tuple[FSDPParamGroup, ReduceInFlight]] = deque()
         # Reductions whose all-reduce hook runs on a stream of its own: assigned
         # once the current stream has waited for the event after the hook.
-        self.hooks: deque[tuple[ReduceInFlight, torch.Event]] = deque()
+        self.hooks: deque[tuple[FSDPParamGroup, ReduceInFlight, torch.Event]] = deque()
         # The largest of the groups' set_reduce_scatter_max_input_buffers (lazy init).
         self.max_input_buffers = 1
         # False: the end of this backward leaves its last reduce-scatter in flight
@@ -129,23 +130,23 @@ class ReductionPipeline:
                 if event is not None:
                     # The hook's stream overlaps the rest of backward: assigned at its end.
                     # The reduce-scatter input is done with: only the output is kept.
-                    self.hooks.append((reduced._replace(buffers=()), event))
+                    self.hooks.append((group, reduced._replace(buffers=()), event))
                     return
-            self._accumulate(reduced)
+            self._accumulate(group, reduced)
 
-    def _accumulate(self, reduced: ReduceInFlight) -> None:
+    def _accumulate(self, group: FSDPParamGroup, reduced: ReduceInFlight) -> None:
         if not reduced.plan.divides_before_hook:
             average(reduced)
         comm = self.root_ctx.comm
-        copies = assign_sharded_grads(reduced, comm.ops)
+        copies = assign_sharded_grads(reduced, comm.ops, group.sharded_grads)
         if copies and comm.ops is not None:
             comm.grads_to_host.add(copies, comm.ops)
 
     def finish_hooks(self) -> None:
         while self.hooks:
-            reduced, event = self.hooks.popleft()
+            group, reduced, event = self.hooks.popleft()
             self.root_ctx.comm.wait_event(event)
-            self._accumulate(reduced)
+            self._accumulate(group, reduced)
 
     def finish_backward(self, groups: Iterable[FSDPParamGroup]) -> None:
         """The final callback's reductions (``groups`` innermost first): the
@@ -187,7 +188,7 @@ class ReductionPipeline:
         self.reduce_scatters.clear()
         self.reduce_scatters.extend(others)
         self.across_replicas.clear()
-        for _, event in self.hooks:
+        for _, _, event in self.hooks:
             comm.wait_event(event)  # a stream wait, then the buffers can go
         self.hooks.clear()
         comm.grads_to_host.wait(discard=True)  # this iteration's grads are dropped
@@ -203,13 +204,20 @@ def average(reduced: ReduceInFlight) -> None:
 
 
 @torch.no_grad()
-def assign_sharded_grads(reduced: ReduceInFlight, ops: DeviceOps | None = None) -> list[HostCopy]:
-    """Accumulates a divided reduction into the sharded grads; returns the
-    copies still on their way to the host (CPU offload on an accelerator)."""
+def assign_sharded_grads(
+    reduced: ReduceInFlight, ops: DeviceOps | None = None, kept: GroupGrads | None = None
+) -> list[HostCopy]:
+    """Accumulates a divided reduction into the sharded grads (``kept``: the
+    group's, made once, when they can take it); returns the copies still on
+    their way to the host (CPU offload on an accelerator)."""
     output = reduced.output
     dtypes = {p.orig_dtype for p in reduced.fsdp_params}
-    if len(dtypes) == 1 and (dtype := dtypes.pop()) != output.dtype:
-        output = output.to(dtype)  # one flat cast to the parameters' dtype, not one each
+    if len(dtypes) == 1:
+        dtype = dtypes.pop()
+        if kept is not None and kept.accumulate(reduced.fsdp_params, reduced.slots, output, dtype):
+            return []
+        if dtype != output.dtype:
+            output = output.to(dtype)  # one flat cast to the parameters' dtype, not one each
     copies = []
     for fsdp_param, local_grad in zip(reduced.fsdp_params, reduced.views(output), strict=True):
         if (copy := fsdp_param.accumulate_sharded_grad(local_grad, ops)) is not None:

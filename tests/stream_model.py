@@ -72,6 +72,13 @@ class Access(NamedTuple):
     op: str
 
 
+# The all-gather buffers: first written by one cat of a group's kept inputs, or
+# by a copy slot by slot (offload, extensions, mixed dtypes, a post-forward shard).
+ALL_GATHER_COPY_INS = ("cat(out=)", "_foreach_copy_")
+# Ops whose buffers are counted together (``peak_alive``, ``alive``).
+KINDS = (ALL_GATHER_COPY_INS,)
+
+
 class Buffer:
     """What the model knows of one storage: who allocated it, who used it."""
 
@@ -146,8 +153,9 @@ class StreamModel(TorchDispatchMode):
         self.buffers: dict[int, Buffer] = {}  # by storage data pointer
         self.violations: list[str] = []
         self.histories: list[History] = []  # of the buffers freed so far
-        # The most buffers of a kind (the first op writing them) alive at once.
-        self.peak_alive: dict[str, int] = {}
+        # The most buffers of a kind (the ops first writing them, see KINDS)
+        # alive at once.
+        self.peak_alive: dict[tuple[str, ...], int] = {}
         self.ops_by_stream: dict[str, int] = {}
         # Every c10d op: (name, the clock of its stream when it ran).
         self.collectives: list[tuple[str, Clock]] = []
@@ -292,13 +300,14 @@ class StreamModel(TorchDispatchMode):
             buffer.written_on.add(stream)
             if buffer.first_write is None and not allocation:
                 buffer.first_write = op
-                alive = self._alive(op)
-                if alive > max(2, self.peak_alive.get(op, 0)):
+                kind = next((k for k in KINDS if op in k), (op,))
+                alive = self._alive(kind)
+                if alive > max(2, self.peak_alive.get(kind, 0)):
                     # A new peak: not counting cyclic garbage that the collector
                     # has not reached yet (seen once in a while, source unknown).
                     gc.collect()
-                    alive = self._alive(op)
-                self.peak_alive[op] = max(self.peak_alive.get(op, 0), alive)
+                    alive = self._alive(kind)
+                self.peak_alive[kind] = max(self.peak_alive.get(kind, 0), alive)
         else:
             buffer.read_on.add(stream)
         if write:  # later accesses conflict with this one: older ones within it are implied
@@ -337,7 +346,7 @@ class StreamModel(TorchDispatchMode):
     def _forget(self, buffer: Buffer) -> None:
         self.histories.append(self._history(buffer))
 
-    def alive(self, kind: str) -> int:
+    def alive(self, *kind: str) -> int:
         """Buffers of ``kind`` (the first op writing them) alive now, after a
         collection (cyclic garbage the collector has not reached is not held).
         A count above 0 is read again for up to a second: gloo's worker thread
@@ -352,12 +361,12 @@ class StreamModel(TorchDispatchMode):
                 return count
             time.sleep(0.01)
 
-    def _alive(self, kind: str) -> int:
+    def _alive(self, kind: tuple[str, ...]) -> int:
         """Buffers of ``kind`` whose storage still holds bytes (a storage
         resized to nothing, or freed and not yet finalized, does not count)."""
         count = 0
         for buffer in self.buffers.values():
-            if buffer.first_write == kind and buffer.storage is not None:
+            if buffer.first_write in kind and buffer.storage is not None:
                 storage = buffer.storage()
                 count += storage is not None and storage.nbytes() > 0
         return count
@@ -394,6 +403,8 @@ class StreamModel(TorchDispatchMode):
         ):
             op = "copy_(non_blocking)"  # between host and device, the host does not wait
             self.non_blocking_copies += 1
+        if func is torch.ops.aten.cat.out:
+            op = "cat(out=)"  # into a given buffer (the all-gather's copy-in), not a new one
         if not func.is_view:  # a view reads no bytes
             for tensor, write in _arguments(func, args, kwargs):
                 self._access(tensor, write, op, index, tick)

@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from dist import fake_world, run_ranks
 from models import build_model, global_batch, local_batch, mean_loss, shard_model
-from stream_model import StreamModel
+from stream_model import ALL_GATHER_COPY_INS, StreamModel
 from test_extension import DIM as EXTENSION_DIM
 from test_extension import OUT
 from test_extension import Model as ExtensionModel
@@ -263,7 +263,7 @@ def _backward(
         model.reset_iter_state()
         return
     loss = mean_loss(model, inputs, targets)
-    run.all_gather_buffers_after_forward.append(run.streams.alive("_foreach_copy_"))
+    run.all_gather_buffers_after_forward.append(all_gather_buffers(run.streams))
     if name == "optimizer on a side stream":
         # The gradients the side stream read are freed once forward has waited for
         # it (set_post_optim_event), not before: their memory would be reused
@@ -276,7 +276,7 @@ def _backward(
 
 
 def _optimizer_step(name: str, model: nn.Module, optim: torch.optim.Optimizer, run: Run) -> None:
-    run.all_gather_buffers_at_step.append(run.streams.alive("_foreach_copy_"))
+    run.all_gather_buffers_at_step.append(all_gather_buffers(run.streams))
     if "CPU offload" in name:
         _check_grads_readable(model, run)
     if name == "optimizer on a side stream":
@@ -334,6 +334,10 @@ STREAM_NAMES = {
     "all-reduce": "all_reduce",
     "user": "user",
 }
+
+
+def all_gather_buffers(streams: StreamModel) -> int:
+    return streams.alive(*ALL_GATHER_COPY_INS)
 
 
 class TableRow(NamedTuple):
@@ -406,14 +410,14 @@ def _scenario(rank: int, world_size: int, name: str) -> None:
     check_stream_table(streams, name)
     # Memory: at most two groups' all-gather buffers alive (the running group's
     # and one prefetch), and K reduce-scatter inputs with a queue of K.
-    assert streams.peak_alive.get("_foreach_copy_", 0) <= 2, streams.peak_alive
+    assert streams.peak_alive.get(ALL_GATHER_COPY_INS, 0) <= 2, streams.peak_alive
     # None outlives backward (the final callback releases them) into the step,
     # nor forward (the root's post-forward) into the loss and backward.
     assert not any(run.all_gather_buffers_at_step), run.all_gather_buffers_at_step
     assert not any(run.all_gather_buffers_after_forward), run.all_gather_buffers_after_forward
     if not name.startswith("HSDP"):  # there the input is the output, kept to the end
         queue = 2 if name == "reduce-scatter queue of 2" else 1
-        assert streams.peak_alive.get("_chunk_cat", 0) == queue, streams.peak_alive
+        assert streams.peak_alive.get(("_chunk_cat",), 0) == queue, streams.peak_alive
     # The collectives ran on comm streams, not on the compute stream.
     assert sum(n for s, n in streams.ops_by_stream.items() if s != "current") > 0
     if "CPU offload" in name:

@@ -1,0 +1,161 @@
+"""A group's sharded gradients as views of one flat buffer, kept across
+iterations.
+
+Making a gradient costs more than adding one on models with many small
+tensors: per parameter and step, a view of the reduction's output, a
+narrow, a reshape and a ``DTensor`` around it (Megatron-LM#7264: 174 of 178 ms
+of AccumulateGrad were such rebuilds). So a group's ``sharded_grad`` DTensors
+are made once, as views of one flat buffer laid out like the reduction's
+output (slot by slot, padding included), and each backward lands in them with
+one ``copy_`` (the grads are None) or one ``add_`` (they are still these ones).
+
+The buffer is reused only when nothing but this object refers to its
+tensors: a gradient someone kept after ``zero_grad()`` (a DTensor, its local
+tensor, a view of it) keeps its values; the group then makes a new buffer and
+leaves that one to its holder, as autograd does when it cannot steal a
+gradient. Its storage is freed at the group's first forward after the grads
+were dropped, and allocated again at the next reduction, so between
+``zero_grad()`` and backward it holds no memory, as torch's fully_shard.
+
+    FREE --fill (grads None)--> ASSIGNED --add (grads still ours)--> ASSIGNED
+    ASSIGNED --grads dropped, pre-forward: release()--> FREE
+    any --a tensor of it held elsewhere--> retired: the group makes another
+
+Not for CPU offload (the grads go to pinned host memory, offload.py): the
+group keeps the per-parameter path there, and wherever the grads are neither
+all None nor all this buffer's (a user assigned some).
+"""
+
+from __future__ import annotations
+
+import operator
+import sys
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from .private_api import local_tensor, post_accumulate_grad_hooks, storage_use_count
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
+
+    from .param import FSDPParam
+
+
+def _refcounts(tensors: Sequence[torch.Tensor]) -> list[int]:
+    return list(map(sys.getrefcount, tensors))
+
+
+class GroupGrads:
+    """A group's current ``ShardedGrads``, made again when the reduction's
+    parameters, slots or dtype change, or when its tensors are held elsewhere."""
+
+    def __init__(self) -> None:
+        self.buffer: ShardedGrads | None = None
+
+    def accumulate(
+        self,
+        fsdp_params: list[FSDPParam],
+        slots: list[tuple[int, torch.Size]],
+        output: torch.Tensor,
+        dtype: torch.dtype,
+    ) -> bool:
+        """Adds a divided reduction (``output``, 1D, slot by slot) into the
+        sharded grads; False if they are someone else's (the caller's
+        per-parameter path must)."""
+        buffer = self.buffer
+        if buffer is None or buffer.key != (tuple(fsdp_params), tuple(slots), dtype):
+            buffer = self.buffer = ShardedGrads(fsdp_params, slots, dtype, output.device)
+        done = buffer.accumulate(output)
+        if done is False:  # held elsewhere: theirs now
+            buffer = self.buffer = ShardedGrads(fsdp_params, slots, dtype, output.device)
+            done = buffer.accumulate(output)
+        return bool(done)
+
+    def release(self) -> None:
+        """At a forward: frees the storage of grads that were dropped."""
+        if self.buffer is not None and not self.buffer.release():
+            self.buffer = None
+
+
+class ShardedGrads:
+    """The sharded grads of ``fsdp_params`` (one reduction's, in its order),
+    slot ``i`` holding the local shape ``slots[i][1]`` in its first elements."""
+
+    def __init__(
+        self,
+        fsdp_params: list[FSDPParam],
+        slots: list[tuple[int, torch.Size]],
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.key = (tuple(fsdp_params), tuple(slots), dtype)
+        self.fsdp_params = fsdp_params
+        self.flat = torch.empty(sum(numel for numel, _ in slots), dtype=dtype, device=device)
+        self.nbytes = self.flat.numel() * self.flat.element_size()
+        self.locals: list[torch.Tensor] = []
+        offset = 0
+        for numel, shape in slots:
+            self.locals.append(self.flat.narrow(0, offset, shape.numel()).view(shape))
+            offset += numel
+        self.grads: list[DTensor] = [
+            p.as_sharded_grad(local) for p, local in zip(fsdp_params, self.locals, strict=True)
+        ]
+        # What the counts are while nothing else refers to the tensors.
+        self._alone = self._counts()
+
+    def _counts(self) -> tuple[set[int], set[int], int]:
+        return (
+            set(_refcounts(self.grads)),
+            set(_refcounts(self.locals)),
+            storage_use_count(self.flat),
+        )
+
+    def _held_elsewhere(self) -> bool:
+        return self._counts() != self._alone
+
+    def _ours(self, grads: list[torch.Tensor | None]) -> bool:
+        return all(map(operator.is_, grads, self.grads)) and all(
+            map(operator.is_, map(local_tensor, self.grads), self.locals)
+        )
+
+    def accumulate(self, output: torch.Tensor) -> bool | None:
+        """Adds ``output`` (1D, this buffer's layout) into the grads: True if
+        done; False if the grads are None but this buffer is held elsewhere (a
+        new one must take it); None if the grads are someone else's (the
+        per-parameter path must take it)."""
+        params = [p.sharded_param for p in self.fsdp_params]
+        grads = [p.grad for p in params]
+        if self._ours(grads):
+            self.flat.add_(output)
+        elif all(g is None for g in grads):
+            if self._held_elsewhere():
+                return False
+            storage = self.flat.untyped_storage()
+            if storage.size() != self.nbytes:
+                storage.resize_(self.nbytes)
+            self.flat.copy_(output)
+            for param, grad in zip(params, self.grads, strict=True):
+                param.grad = grad
+        else:
+            return None
+        # Autograd never accumulates into a sharded parameter: its
+        # post-accumulate-grad hooks run here, once its gradient is complete.
+        for param in params:
+            for hook in post_accumulate_grad_hooks(param):
+                hook(param)
+        return True
+
+    def release(self) -> bool:
+        """Frees the storage if the grads were dropped (``zero_grad()``) and no
+        one else holds them; returns False if someone does (the buffer is
+        theirs now: the group forgets it)."""
+        if self.flat.untyped_storage().size() == 0:
+            return True
+        if any(p.sharded_param.grad is not None for p in self.fsdp_params):
+            return True
+        if self._held_elsewhere():
+            return False
+        self.flat.untyped_storage().resize_(0)
+        return True
