@@ -40,7 +40,9 @@ def _build(per_block: int) -> nn.Sequential:
     torch.manual_seed(0)
     return nn.Sequential(
         *[
-            nn.Sequential(*[m for _ in range(per_block) for m in (nn.Linear(5, 7), nn.Linear(7, 5))])
+            nn.Sequential(
+                *[m for _ in range(per_block) for m in (nn.Linear(5, 7), nn.Linear(7, 5))]
+            )
             for _ in range(3)
         ]
     )
