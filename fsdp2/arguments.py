@@ -21,6 +21,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from .bool_args import check_bool
 from .common import MeshInfo, device_from_mesh, post_forward_mesh_info
 from .comms import CommSettings
 from .layout import ShardLayout
@@ -100,7 +101,9 @@ def resolve_call(
     modules = _module_list(module)
     check_policies(mp_policy, offload_policy)
     check_min_numel_to_shard(min_numel_to_shard)
-    over_replicas = _check_bool("shard_optimizer_over_replicas", shard_optimizer_over_replicas)
+    over_replicas = check_bool(
+        "fully_shard", "shard_optimizer_over_replicas", shard_optimizer_over_replicas
+    )
     mesh = resolve_mesh(mesh, full_spmd_mesh=dp_mesh_dims is not None)
     if over_replicas:
         check_shard_over_replicas_mesh(mesh, dp_mesh_dims)
@@ -156,13 +159,6 @@ def _sharded_as(modules: list[nn.Module], fqn: str) -> str:
         index, fqn = fqn.split(".", 1)
         member = modules[int(index)]
     return f"{fqn!r} of {type(member).__name__}"
-
-
-def _check_bool(name: str, value: object) -> bool:
-    """A boolean keyword: a config string such as "false", or 1, is refused."""
-    if not isinstance(value, bool):
-        raise TypeError(f"fully_shard({name}=...) takes True or False, got {value!r}.")
-    return value
 
 
 def _post_forward(value: bool | int | None, mesh_info: MeshInfo) -> PostForward:

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from .bool_args import check_bool
 from .custom_comm import AllGather, ReduceScatter, check_custom_collective
 from .param_group import FSDPParamGroup
 from .primitives import Collectives, collectives_for
@@ -59,6 +60,7 @@ class FSDPModule:
             async_op: return a handle whose ``wait()`` finishes the all-gather
                 instead of waiting here. (Default: False)
         """
+        check_bool("unshard", "async_op", async_op)
         # No lazy init: called on a block before the first forward, that would
         # make the block a root. The group's own context serves until then.
         groups = self._fsdp_state.param_groups
@@ -84,11 +86,13 @@ class FSDPModule:
             reshard_after_forward: the new policy.
             recurse: apply to every sharded submodule too. (Default: True)
         """
-        if not isinstance(reshard_after_forward, bool):
-            raise TypeError(
-                f"set_reshard_after_forward takes a bool, got {reshard_after_forward!r}; "
-                "resharding to a smaller group is chosen in fully_shard(reshard_after_forward=N)."
-            )
+        check_bool(
+            "set_reshard_after_forward",
+            "reshard_after_forward",
+            reshard_after_forward,
+            hint=" Resharding to a smaller group is chosen in fully_shard(reshard_after_forward=N).",
+        )
+        check_bool("set_reshard_after_forward", "recurse", recurse)
         for module in self._fsdp_modules(recurse):
             state = module._fsdp_state
             state.reshard_after_forward_arg = reshard_after_forward
@@ -108,6 +112,11 @@ class FSDPModule:
             reshard_after_backward: the new policy.
             recurse: apply to every sharded submodule too. (Default: True)
         """
+        _check_bools(
+            "set_reshard_after_backward",
+            reshard_after_backward=reshard_after_backward,
+            recurse=recurse,
+        )
         for group in self._param_groups(recurse):
             group.reshard_after_backward = reshard_after_backward
 
@@ -127,6 +136,11 @@ class FSDPModule:
             requires_gradient_sync: whether the next backwards reduce gradients.
             recurse: apply to every sharded submodule too. (Default: True)
         """
+        _check_bools(
+            "set_requires_gradient_sync",
+            requires_gradient_sync=requires_gradient_sync,
+            recurse=recurse,
+        )
         for group in self._param_groups(recurse):
             group.requires_gradient_sync = requires_gradient_sync
 
@@ -140,6 +154,9 @@ class FSDPModule:
             requires_all_reduce: whether the next backwards all-reduce.
             recurse: apply to every sharded submodule too. (Default: True)
         """
+        _check_bools(
+            "set_requires_all_reduce", requires_all_reduce=requires_all_reduce, recurse=recurse
+        )
         for group in self._param_groups(recurse):
             group.configure(requires_all_reduce=requires_all_reduce)
 
@@ -147,6 +164,7 @@ class FSDPModule:
         """Whether the next backward is the last before the optimizer step. If
         not, its last reduce-scatter is left in flight at the end of backward
         (finished by the next backward's), overlapping the next forward."""
+        check_bool("set_is_last_backward", "is_last_backward", is_last_backward)
         self._fsdp_state.root_ctx.reductions.is_last_backward = is_last_backward
 
     def reset_iter_state(self) -> None:
@@ -163,6 +181,7 @@ class FSDPModule:
         warn once if a rank deviates from its first. Call it on the root, on every
         rank (``TORCH_DISTRIBUTED_DEBUG=DETAIL`` turns it on too). See
         [Note: why order matters] in execution_order.py."""
+        check_bool("set_check_execution_order", "enabled", enabled)
         self._fsdp_state.root_ctx.enable_order_check(enabled)
 
     def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
@@ -214,8 +233,7 @@ class FSDPModule:
         Args:
             enable: whether to sum only. (Default: False)
         """
-        if not isinstance(enable, bool):
-            raise TypeError(f"set_force_sum_reduction_for_comms takes a bool, got {enable!r}.")
+        check_bool("set_force_sum_reduction_for_comms", "enable", enable)
         for group in self._param_groups(recurse=False):
             group.force_sum_reduction_for_comms = enable
             group.clear_divide_plan()
@@ -233,6 +251,11 @@ class FSDPModule:
                 trainable parameters.
             recurse: apply to every sharded submodule too. (Default: True)
         """
+        _check_bools(
+            "set_reduce_scatter_unused_params",
+            reduce_scatter_unused_params=reduce_scatter_unused_params,
+            recurse=recurse,
+        )
         for group in self._param_groups(recurse):
             group.reduce_scatter_unused_params = reduce_scatter_unused_params
 
@@ -280,6 +303,7 @@ class FSDPModule:
             max_input_buffers: an int >= 1.
             recurse: apply to every sharded submodule too. (Default: True)
         """
+        check_bool("set_reduce_scatter_max_input_buffers", "recurse", recurse)
         if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
             raise TypeError(
                 f"max_input_buffers must be an int, got {type(max_input_buffers).__name__}"
@@ -307,6 +331,7 @@ class FSDPModule:
             enable: a separate group (True) or the shard group again (False).
             recurse: apply to every sharded submodule too. (Default: True)
         """
+        _check_bools("set_separate_reduce_scatter_group", enable=enable, recurse=recurse)
         created: dict[tuple[int, ...], Collectives] = {}  # one per set of ranks
         for group in self._param_groups(recurse):
             info = group.mesh_info
@@ -326,6 +351,7 @@ class FSDPModule:
         module whose backward never reads them (an embedding: the gradient of a
         lookup needs only the indices) saves that all-gather; the gradients are
         reduce-scattered as usual. Not recursive."""
+        check_bool("set_unshard_in_backward", "unshard_in_backward", unshard_in_backward)
         for group in self._param_groups(recurse=False):
             group.unshard_in_backward = unshard_in_backward
 
@@ -398,6 +424,12 @@ class FSDPModule:
             "copy would share process groups and hooks with the original. Build a new model "
             "and load model.state_dict() into it instead."
         )
+
+
+def _check_bools(method: str, **values: object) -> None:
+    """Each boolean argument of a setter is True or False (bool_args.py)."""
+    for name, value in values.items():
+        check_bool(method, name, value)
 
 
 def _state_of(module: Any, direction: str) -> FSDPState:

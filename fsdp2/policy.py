@@ -5,6 +5,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .bool_args import check_bool
+
 
 @dataclass(frozen=True)
 class MixedPrecisionPolicy:
@@ -28,6 +30,9 @@ class MixedPrecisionPolicy:
     output_dtype: torch.dtype | None = None
     cast_forward_inputs: bool = True
 
+    def __post_init__(self) -> None:
+        check_bool("MixedPrecisionPolicy", "cast_forward_inputs", self.cast_forward_inputs)
+
 
 @dataclass(frozen=True)
 class OffloadPolicy:
@@ -49,6 +54,9 @@ class CPUOffloadPolicy(OffloadPolicy):
     """
 
     pin_memory: bool = True
+
+    def __post_init__(self) -> None:
+        check_bool("CPUOffloadPolicy", "pin_memory", self.pin_memory)
 
 
 WEIGHT_SETTINGS = (None, "int8")

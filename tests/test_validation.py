@@ -636,3 +636,90 @@ def test_reshard_after_forward_int_on_a_mesh_slice_raises(mesh: DeviceMesh) -> N
         fully_shard(model, mesh=mesh_2d["dp"], reshard_after_forward=2)
     assert_untouched(model, MLP)
     fully_shard(model, mesh=mesh_2d["dp"], reshard_after_forward=True)  # a bool is fine
+
+
+# -- strict booleans ---------------------------------------------------------
+# A config value such as "false" is truthy: taken as a bool it would turn the
+# option on. Every boolean argument refuses anything but True and False.
+
+NOT_BOOLS = ["false", 1, 2.5, None, 0]
+
+
+def _not_a_bool(where: str, name: str, value: object) -> str:
+    """The message for ``value`` given as ``where(name=value)``."""
+    return re.escape(
+        f"{where}({name}=...) takes True or False, got {type(value).__name__} {value!r}. "
+        f"Pass {name}=True or {name}=False; convert a config value first (bool('false') is True)."
+    )
+
+
+@pytest.mark.parametrize("value", NOT_BOOLS, ids=repr)
+def test_shard_optimizer_over_replicas_takes_only_a_bool(mesh: DeviceMesh, value: object) -> None:
+    model = MLP()
+    with pytest.raises(
+        TypeError, match=_not_a_bool("fully_shard", "shard_optimizer_over_replicas", value)
+    ):
+        fully_shard(model, mesh=mesh, shard_optimizer_over_replicas=value)  # type: ignore[arg-type]
+    assert_untouched(model, MLP)
+
+
+@pytest.mark.parametrize("value", NOT_BOOLS, ids=repr)
+def test_policy_flags_take_only_a_bool(value: object) -> None:
+    match = _not_a_bool("MixedPrecisionPolicy", "cast_forward_inputs", value)
+    with pytest.raises(TypeError, match=match):
+        fsdp2.MixedPrecisionPolicy(cast_forward_inputs=value)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=_not_a_bool("CPUOffloadPolicy", "pin_memory", value)):
+        fsdp2.CPUOffloadPolicy(pin_memory=value)  # type: ignore[arg-type]
+
+
+# (setter, its boolean arguments): each is called with one of them wrong, the others True.
+BOOL_SETTERS = [
+    ("unshard", ["async_op"]),
+    ("set_reshard_after_forward", ["reshard_after_forward", "recurse"]),
+    ("set_reshard_after_backward", ["reshard_after_backward", "recurse"]),
+    ("set_requires_gradient_sync", ["requires_gradient_sync", "recurse"]),
+    ("set_requires_all_reduce", ["requires_all_reduce", "recurse"]),
+    ("set_is_last_backward", ["is_last_backward"]),
+    ("set_check_execution_order", ["enabled"]),
+    ("set_force_sum_reduction_for_comms", ["enable"]),
+    ("set_reduce_scatter_unused_params", ["reduce_scatter_unused_params", "recurse"]),
+    ("set_separate_reduce_scatter_group", ["enable", "recurse"]),
+    ("set_unshard_in_backward", ["unshard_in_backward"]),
+]
+
+
+@pytest.mark.parametrize(
+    ("setter", "name"),
+    [(setter, name) for setter, names in BOOL_SETTERS for name in names],
+)
+@pytest.mark.parametrize("value", ["false", 1, None], ids=repr)
+def test_fsdp_module_setters_take_only_a_bool(
+    mesh: DeviceMesh, setter: str, name: str, value: object
+) -> None:
+    model = fully_shard(MLP(), mesh=mesh)
+    names = dict(BOOL_SETTERS)[setter]
+    kwargs: dict[str, object] = {other: True for other in names}
+    kwargs[name] = value
+    with pytest.raises(TypeError, match=_not_a_bool(setter, name, value)):
+        getattr(model, setter)(**kwargs)
+
+
+def test_max_input_buffers_recurse_takes_only_a_bool(mesh: DeviceMesh) -> None:
+    model = fully_shard(MLP(), mesh=mesh)
+    match = _not_a_bool("set_reduce_scatter_max_input_buffers", "recurse", "yes")
+    with pytest.raises(TypeError, match=match):
+        model.set_reduce_scatter_max_input_buffers(2, recurse="yes")  # type: ignore[arg-type]
+
+
+def test_fsdp_module_setters_take_true_and_false(mesh: DeviceMesh) -> None:
+    model = fully_shard(MLP(), mesh=mesh)
+    for flag in (True, False):
+        model.set_reshard_after_forward(flag, recurse=flag)
+        model.set_reshard_after_backward(flag, recurse=flag)
+        model.set_requires_gradient_sync(flag, recurse=flag)
+        model.set_requires_all_reduce(flag, recurse=flag)
+        model.set_is_last_backward(flag)
+        model.set_force_sum_reduction_for_comms(flag)
+        model.set_reduce_scatter_unused_params(flag, recurse=flag)
+        model.set_unshard_in_backward(flag)
+    assert model._fsdp_state.param_groups[0].requires_gradient_sync is False
