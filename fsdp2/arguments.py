@@ -38,7 +38,13 @@ from .param_checks import (
     check_params,
     shard_placements,
 )
-from .policy import CompressionPolicy, MixedPrecisionPolicy, OffloadPolicy
+from .policy import (
+    CompressionPolicy,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    from_torch_policy,
+    full_type_name,
+)
 from .private_api import module_parameters
 from .state import FSDPState, get_fsdp_state
 
@@ -99,7 +105,7 @@ def resolve_call(
     """``fully_shard``'s arguments (see its docstring) as a ``ShardingCall``;
     raises on the first mistake, before anything is changed."""
     modules = _module_list(module)
-    check_policies(mp_policy, offload_policy)
+    mp_policy, offload_policy = check_policies(mp_policy, offload_policy)
     check_min_numel_to_shard(min_numel_to_shard)
     over_replicas = check_bool(
         "fully_shard", "shard_optimizer_over_replicas", shard_optimizer_over_replicas
@@ -358,16 +364,26 @@ def check_mesh_spans_world(mesh: DeviceMesh, value: int) -> None:
         )
 
 
-def check_policies(mp_policy: object, offload_policy: object) -> None:
+def check_policies(
+    mp_policy: object, offload_policy: object
+) -> tuple[MixedPrecisionPolicy, OffloadPolicy]:
+    """The policies as fsdp2's own (torch's FSDP2 policies are converted, field
+    for field); anything else is refused."""
+    mp_policy = from_torch_policy(mp_policy)
+    offload_policy = from_torch_policy(offload_policy)
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(
-            f"mp_policy must be an fsdp2.MixedPrecisionPolicy, got {type(mp_policy).__name__}."
+            "mp_policy must be an fsdp2.MixedPrecisionPolicy (or torch.distributed.fsdp's "
+            f"MixedPrecisionPolicy), got {full_type_name(mp_policy)}. Pass e.g. "
+            "mp_policy=fsdp2.MixedPrecisionPolicy(param_dtype=torch.bfloat16)."
         )
     if not isinstance(offload_policy, OffloadPolicy):
         raise TypeError(
-            "offload_policy must be fsdp2.OffloadPolicy() or fsdp2.CPUOffloadPolicy(), got "
-            f"{type(offload_policy).__name__}."
+            "offload_policy must be fsdp2.OffloadPolicy() or fsdp2.CPUOffloadPolicy() (or "
+            f"torch.distributed.fsdp's), got {full_type_name(offload_policy)}. Pass e.g. "
+            "offload_policy=fsdp2.CPUOffloadPolicy()."
         )
+    return mp_policy, offload_policy
 
 
 def check_compression(compression: object, mesh_info: MeshInfo, over_replicas: bool) -> None:

@@ -128,11 +128,13 @@ def fully_shard(
             all-gather stays inside them (e.g. inside a node). (Default: None,
             which is True for every group but the root's)
         mp_policy: compute, communication and output dtypes; see
-            ``MixedPrecisionPolicy``. (Default: no mixed precision)
+            ``MixedPrecisionPolicy`` (torch.distributed.fsdp's is accepted
+            too, with the same meaning). (Default: no mixed precision)
         ignored_params: parameters to leave alone: not sharded, not
             all-gathered, not reduced. (Default: None)
         offload_policy: ``CPUOffloadPolicy()`` keeps sharded parameters,
-            gradients and optimizer state on the CPU. (Default: no offload)
+            gradients and optimizer state on the CPU (torch.distributed.fsdp's
+            policies are accepted too). (Default: no offload)
         shard_placement_fn: called with each parameter; returns the
             ``Shard(dim)`` to shard it on, or None for ``Shard(0)`` (e.g. an
             expert weight whose dim 0 is small), or a

@@ -1,7 +1,9 @@
 """User-facing policies passed to ``fully_shard``: mixed precision, offload and
-compression (whose wire formats are in wire.py)."""
+compression (whose wire formats are in wire.py), and torch's FSDP2 policies
+converted to fsdp2's."""
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -57,6 +59,48 @@ class CPUOffloadPolicy(OffloadPolicy):
 
     def __post_init__(self) -> None:
         check_bool("CPUOffloadPolicy", "pin_memory", self.pin_memory)
+
+
+# torch.distributed.fsdp's policies with the same meaning as fsdp2's, recognised by
+# the name and module of their class: fsdp2 never imports torch's FSDP.
+_TORCH_FSDP = "torch.distributed.fsdp"
+_TORCH_POLICIES = ("MixedPrecisionPolicy", "CPUOffloadPolicy", "OffloadPolicy")
+
+
+def from_torch_policy(policy: object) -> object:
+    """``policy`` as fsdp2's own when it is one of torch's FSDP2 policies
+    (``torch.distributed.fsdp.MixedPrecisionPolicy``, ``CPUOffloadPolicy`` or
+    ``OffloadPolicy``, or a subclass), field for field; anything else as it
+    is, for the caller to check."""
+    name = next(
+        (
+            cls.__name__
+            for cls in type(policy).__mro__
+            if cls.__module__.startswith(_TORCH_FSDP) and cls.__name__ in _TORCH_POLICIES
+        ),
+        None,
+    )
+    fields: Any = policy  # torch's, read by field name
+    if name == "MixedPrecisionPolicy":
+        return MixedPrecisionPolicy(
+            param_dtype=fields.param_dtype,
+            reduce_dtype=fields.reduce_dtype,
+            output_dtype=fields.output_dtype,
+            cast_forward_inputs=fields.cast_forward_inputs,
+        )
+    if name == "CPUOffloadPolicy":
+        return CPUOffloadPolicy(pin_memory=fields.pin_memory)
+    if name == "OffloadPolicy":
+        return OffloadPolicy()
+    return policy
+
+
+def full_type_name(value: object) -> str:
+    """``value``'s class as module and name, e.g. ``torch.distributed.fsdp.MixedPrecision``."""
+    cls = type(value)
+    if cls.__module__ == "builtins":
+        return cls.__qualname__
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 WEIGHT_SETTINGS = (None, "int8")
