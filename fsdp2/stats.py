@@ -26,6 +26,8 @@ class CollectiveStats:
     ready_when_waited: int = 0
 
 
+UNCUT_WIDTH = 100_000  # characters: see format_table
+
 # Every kind of collective a group records.
 KINDS = (
     "all_gather",
@@ -91,7 +93,8 @@ def format_table(totals: dict[str, GroupStats], steps: int) -> str:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"fsdp2 communication, totals over {steps} steps")
+    plural = "" if steps == 1 else "s"
+    table = Table(title=f"fsdp2 communication, totals over {steps} step{plural}")
     columns = [
         "group",
         "all-gathers",
@@ -126,8 +129,10 @@ def format_table(totals: dict[str, GroupStats], steps: int) -> str:
         )
     per_step = f", {waited / steps * 1e3:.1f} ms per step" if steps else ""
     table.caption = f"waited {waited * 1e3:.1f} ms in all{per_step} (exposed communication)"
+    # Wider than any table: rich then draws it at its natural width, so no header or
+    # group name is cut ("reduce-scatt…") or wrapped, whatever the terminal's width.
     out = io.StringIO()
-    Console(file=out, width=160, highlight=False).print(table)
+    Console(file=out, width=UNCUT_WIDTH, highlight=False).print(table)
     return "\n".join(line.rstrip() for line in out.getvalue().splitlines())
 
 

@@ -10,8 +10,6 @@ and how long compute waited for it.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -134,12 +132,57 @@ def print_summary(rows: list[GroupSummary]) -> None:
     console.print(table)
 
 
-@contextmanager
-def comm_stats(root: nn.Module) -> Iterator[CommStats]:
-    """Records the collectives of every group under ``root`` while open.
+class CommStatsRecording:
+    """What ``comm_stats(root)`` returns: ``with`` it, the collectives of every
+    group under ``root`` are recorded into ``stats``, the ``CommStats`` that
+    ``as`` binds. Printed, it shows the table of what it recorded, or how to
+    record if it has not been used as a ``with`` yet."""
+
+    def __init__(self, state: FSDPState) -> None:
+        self.stats = CommStats()
+        self._state = state
+        self._entered = False
+        self._outer: list[CommStats | None] = []  # while open: the recorder it replaced
+
+    def __enter__(self) -> CommStats:
+        if self._outer:
+            raise RuntimeError(
+                "This comm_stats recording is already open: open each one once at a time, "
+                "e.g. `with fsdp2.comm_stats(model) as stats:` around the steps to count."
+            )
+        comm = self._state.root_ctx.comm
+        self._outer.append(comm.stats)
+        comm.stats = self.stats
+        self._entered = True
+        return self.stats
+
+    def __exit__(self, *exc_info: object) -> None:
+        # Nested: the outer recorder takes over again.
+        self._state.root_ctx.comm.stats = self._outer.pop()
+
+    def __str__(self) -> str:
+        if not self._entered:
+            return (
+                "fsdp2.comm_stats(model) has recorded nothing: it records inside a `with`, e.g. "
+                "`with fsdp2.comm_stats(model) as stats:` around the training steps; then "
+                "print(stats) shows the table."
+            )
+        return str(self.stats)
+
+    def __repr__(self) -> str:
+        state = "not used yet" if not self._entered else repr(self.stats)
+        return f"CommStatsRecording({state})"
+
+
+def comm_stats(root: nn.Module) -> CommStatsRecording:
+    """Records the collectives of every group under ``root`` while its ``with``
+    is open: ``with fsdp2.comm_stats(model) as stats:``, then ``print(stats)``.
 
     Args:
         root: the outermost sharded module (the one whose forward you call).
+
+    Returns:
+        A context manager whose ``with`` binds the ``CommStats`` it records into.
     """
     state = get_fsdp_state(root)
     if state is None or state.is_root is False:
@@ -147,10 +190,4 @@ def comm_stats(root: nn.Module) -> Iterator[CommStats]:
             "comm_stats expects the root sharded module (the outermost module passed to "
             f"fully_shard), got {type(root).__name__}."
         )
-    stats = CommStats()
-    comm = state.root_ctx.comm
-    outer, comm.stats = comm.stats, stats
-    try:
-        yield stats
-    finally:
-        comm.stats = outer  # nested: the outer recorder takes over again
+    return CommStatsRecording(state)

@@ -34,6 +34,7 @@ from models import (
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 import fsdp2
+from fsdp2.stats import KINDS
 
 KIND = "transformer_untied"
 N_LAYERS = 2
@@ -181,6 +182,50 @@ def test_comm_stats_on_non_root_before_first_forward_fails_at_lazy_init(
         pytest.raises(RuntimeError, match=r"comm_stats was applied to 'layers\.0'.*not the root"),
     ):
         model._fsdp_state.lazy_init()
+
+
+def test_comm_stats_table_never_cuts_its_headers() -> None:
+    """Every column, the replicas' included, and a long group name, in full."""
+    stats = fsdp2.CommStats()
+    groups = ("layers.0", "layers.1.attention.wq, layers.1.attention.wk, layers.1.output")
+    for group in groups:
+        for kind in KINDS:
+            record = stats.record(group, kind)
+            record.count, record.bytes = 123_456, 123_456_789_012
+    stats.end_step()
+    out = str(stats)
+    assert "…" not in out, out
+    header = next(line for line in out.splitlines() if "group" in line)
+    for name in ("all-gathers", "reduce-scatters", "all-reduces", "replica all-gathers"):
+        assert f" {name} " in header, header
+    assert " replica reduce-scatters " in header and " ready when waited " in header, header
+    for group in groups:
+        assert f" {group} " in out, out
+    assert "totals over 1 step\n" in out, out
+
+
+def test_comm_stats_prints_how_to_record_then_its_table(
+    fake_mesh: DeviceMesh, capsys: pytest.CaptureFixture
+) -> None:
+    model = shard_model(build_model(KIND, n_layers=N_LAYERS), mesh=fake_mesh)
+    recording = fsdp2.comm_stats(model)
+    print(recording)
+    out = capsys.readouterr().out
+    assert out.startswith("fsdp2.comm_stats(model) has recorded nothing: it records inside a"), out
+    assert "`with fsdp2.comm_stats(model) as stats:`" in out, out
+    assert "not used yet" in repr(recording)
+    comm = model._fsdp_state.root_ctx.comm
+    with recording as stats:
+        assert comm.stats is stats and recording.stats is stats
+        with pytest.raises(RuntimeError, match=r"already open: open each one once at a time"):
+            recording.__enter__()
+        stats.record("layers.0", "all_gather").count = 3  # as a collective would
+    assert comm.stats is None
+    print(recording)
+    out = capsys.readouterr().out
+    assert "fsdp2 communication, totals over 0 steps" in out, out
+    assert "reduce-scatters" in out and " layers.0 " in out, out
+    assert str(recording) == str(stats)
 
 
 # -- distributed: summary after lazy init, comm_stats --------------------------
