@@ -126,9 +126,18 @@ def _check_plain_params_agree(plain: list[tuple[str, torch.Tensor]], info: MeshI
     differ = _differ(ranks[..., :4], dim=0) | _differ(ranks[..., 4:], dim=0)
     names = [name for (name, _), bad in zip(plain, differ.tolist(), strict=True) if bad]
     if names:
+        # fsdp2 never saw the module that holds them (they are outside every sharded
+        # module): only the optimizer's own names, if it has them, say where they are.
+        unnamed = not names[0].startswith("'")
+        where = (
+            " (by their place in the optimizer; build it from model.named_parameters() to see "
+            "their names here)"
+            if unnamed
+            else ""
+        )
         raise RuntimeError(
             "fsdp2: call fully_shard(model) on the root after its blocks: these parameters are "
-            f"not sharded and will not be synchronized: {_some(names)}. The optimizer holds "
+            f"not sharded and will not be synchronized: {_some(names)}{where}. The optimizer holds "
             "them next to sharded ones, and at its first step their values or gradients differ "
             f"across the {_data_parallel_size(info)} data-parallel ranks, so each rank would "
             "train its own copy. Shard the module that holds them (fully_shard(model) last), "
