@@ -23,7 +23,6 @@ See docs/design.md for the whole picture.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from typing import NamedTuple, Protocol
 
@@ -36,13 +35,12 @@ from .common import MeshInfo, ShardedState, TrainingState
 from .comms import CommSettings, GroupComms, choose_comms
 from .divide import DividePlan, divide_plan
 from .execution_order import ExecutionOrderCheck
+from .log import logger
 from .param import FSDPParam
 from .post_backward import PostBackwardCount
 from .private_api import outside_functorch, profiled
 from .reduce_scatter import ReduceInFlight
 from .sharded_grads import GroupGrads
-
-logger = logging.getLogger("fsdp2")
 
 
 class GroupContext(Protocol):

@@ -20,7 +20,6 @@ pipeline that finishes it.
 
 from __future__ import annotations
 
-import logging
 from collections import deque
 from collections.abc import Iterable
 from typing import NamedTuple
@@ -28,13 +27,12 @@ from typing import NamedTuple
 import torch
 
 from .device_ops import DeviceOps
+from .log import logger
 from .offload import HostCopy
 from .param_group import FSDPParamGroup, GroupContext
 from .private_api import profiled
 from .reduce_scatter import ReduceInFlight
 from .sharded_grads import GroupGrads
-
-logger = logging.getLogger("fsdp2")
 
 
 class QueuedReduction(NamedTuple):

@@ -8,7 +8,6 @@ and the final callback queued once per backward.
 
 from __future__ import annotations
 
-import logging
 from typing import Protocol
 
 import torch
@@ -17,11 +16,10 @@ import torch.nn as nn
 from .comm import CommContext
 from .common import TrainingState, eager_hook
 from .execution_order import ExecutionOrderCheck
+from .log import logger
 from .param_group import FSDPParamGroup
 from .private_api import profiled, queue_backward_callback
 from .reduction import ReductionPipeline
-
-logger = logging.getLogger("fsdp2")
 
 
 class RootedState(Protocol):

@@ -21,7 +21,6 @@ see [Note: one group, several modules].
 from __future__ import annotations
 
 import functools
-import logging
 import os
 from collections.abc import Callable
 from typing import Any
@@ -30,6 +29,7 @@ import torch
 import torch.nn as nn
 
 from .common import MeshInfo, ShardedState, eager_hook
+from .log import logger
 from .mistakes import at_lazy_init
 from .optimizer_hooks import install_optimizer_hooks
 from .param_group import FSDPParamGroup
@@ -37,8 +37,6 @@ from .policy import MixedPrecisionPolicy
 from .post_backward import register_post_backward
 from .private_api import in_backward, local_tensor, map_tensors, profiled, tensors_in
 from .root import RootContext
-
-logger = logging.getLogger("fsdp2")
 
 
 def _profiled(name: str) -> Callable[[Callable], Callable]:

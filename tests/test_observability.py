@@ -228,6 +228,32 @@ def test_comm_stats_prints_how_to_record_then_its_table(
     assert str(recording) == str(stats)
 
 
+def test_debug_records_carry_the_rank(
+    fake_mesh: DeviceMesh, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each record says whose it is: "[rank N] " (and ``record.rank``) once
+    torch.distributed is initialised; no prefix before."""
+    model = fsdp2.fully_shard(nn.Linear(16, 16), mesh=fake_mesh)
+    caplog.set_level(logging.DEBUG, logger="fsdp2")
+    model.unshard()
+    model.reshard()
+    records = [r for r in caplog.records if r.name == "fsdp2"]
+    assert [r.getMessage() for r in records] == [
+        "[rank 0] Linear: all-gather issued (SHARDED)",
+        "[rank 0] Linear: unsharded",
+        "[rank 0] Linear: resharded",
+    ]
+    assert all(r.rank == 0 for r in records)  # type: ignore[attr-defined]
+    assert "[rank 0] Linear: unsharded" in caplog.text
+
+    caplog.clear()
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
+    model.unshard()
+    assert [r.getMessage() for r in caplog.records][-1] == "Linear: unsharded"
+    monkeypatch.undo()
+    model.reshard()
+
+
 # -- distributed: summary after lazy init, comm_stats --------------------------
 
 
@@ -380,7 +406,10 @@ def _labels_and_log(rank: int, world_size: int, mesh: DeviceMesh) -> None:
     with labelled("DEBUG records"), fsdp2_records(logging.DEBUG) as log:
         train_step(1)
         assert all(r.levelno == logging.DEBUG and r.name == "fsdp2" for r in log.records)
-        block0 = [m for m in log.messages() if m.startswith("layers.0: ")]
+        prefix = f"[rank {rank}] "  # each rank's lines say whose they are
+        assert all(m.startswith(prefix) for m in log.messages()), log.messages()
+        messages = [m.removeprefix(prefix) for m in log.messages()]
+        block0 = [m for m in messages if m.startswith("layers.0: ")]
         assert block0 == [
             # forward
             "layers.0: all-gather issued (SHARDED)",
@@ -394,7 +423,6 @@ def _labels_and_log(rank: int, world_size: int, mesh: DeviceMesh) -> None:
         ], block0
         # The root's inputs need no gradient, so its post-backward runs from the
         # final callback, last.
-        messages = log.messages()
         final = messages.index("final callback: finishing backward")
         root_params = sum(1 for name, _ in model.named_parameters() if group_of(name) == "")
         assert messages[-1].endswith(f"reduce-scatter issued for {root_params} grads"), messages
