@@ -174,6 +174,9 @@ class AllGatherComm:
         self.exchanges = exchanges
         self.kind = kind
         self._kept: KeptInputs | None = None
+        # The outputs of the last copy-out (kept rank-major views, FSDPParam.all_gather_outputs)
+        # and their slots' elements.
+        self._kept_outputs: tuple[list[torch.Tensor], list[int]] | None = None
 
     def inputs(self, params: list[FSDPParam], comm: CommContext, name: str) -> AllGatherInputs:
         """What this rank contributes for ``params`` (a group's sharded ones)."""
@@ -257,11 +260,21 @@ class AllGatherComm:
     def copy_out(self, all_gather_output: torch.Tensor, outputs: list[torch.Tensor]) -> None:
         """One fused copy of the W blocks into ``outputs``, each rank-major
         (``ShardLayout.rank_major``): rank k's slot goes to row k."""
-        buffer_dtype = all_gather_output.dtype
-        outputs = [as_buffer_dtype(out, buffer_dtype) for out in outputs]
         world_size = outputs[0].size(0)
         gathered = all_gather_output.view(world_size, -1)
+        kept = self._kept_outputs
+        if (
+            kept is not None
+            and len(outputs) == len(kept[0])
+            and all(map(operator.is_, outputs, kept[0]))
+        ):
+            torch.split_with_sizes_copy(gathered, kept[1], dim=1, out=outputs)
+            return
+        buffer_dtype = all_gather_output.dtype
+        outputs = [as_buffer_dtype(out, buffer_dtype) for out in outputs]
         slot_numels = [out.numel() // world_size for out in outputs]
+        if buffer_dtype is not torch.uint8 and all(out.dim() == 2 for out in outputs):
+            self._kept_outputs = (list(outputs), slot_numels)  # the same views next time
         # A parameter sharded on a dim > 0 has a strided (W, pre, chunk, post)
         # view, which the fused copy cannot write: it gets a (W, slot) buffer of
         # its own, copied into the view after (the others stay fused).

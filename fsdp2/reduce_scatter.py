@@ -17,6 +17,7 @@ in fp32 by their receiver (compressed.py); the output is then fp32.
 
 from __future__ import annotations
 
+import operator
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
@@ -63,6 +64,38 @@ class ReduceInFlight(NamedTuple):
         ]
 
 
+class PackPlan(NamedTuple):
+    """How a reduction's gradients are packed, worked out once per set of
+    parameters (``ReduceScatterComm.pack_plan``): the sharded ones (their
+    positions among the gradients) then the whole ones, with their slots."""
+
+    fsdp_params: list[FSDPParam]  # as given
+    sharded: list[int]
+    whole: list[int]
+    slot_numels: list[int]  # of the sharded ones
+    block_numel: int
+    rank_major: list[bool]  # per sharded one: packed as its rank-major view (dim > 0)
+    params: list[FSDPParam]  # in the output's order: sharded, then whole
+    slots: list[tuple[int, torch.Size]]
+
+
+def _pack_plan(fsdp_params: list[FSDPParam]) -> PackPlan:
+    sharded = [i for i, p in enumerate(fsdp_params) if not p.layout.whole]
+    whole = [i for i, p in enumerate(fsdp_params) if p.layout.whole]
+    slot_numels = [fsdp_params[i].layout.slot_numel for i in sharded]
+    params = [fsdp_params[i] for i in sharded + whole]
+    return PackPlan(
+        list(fsdp_params),
+        sharded,
+        whole,
+        slot_numels,
+        sum(slot_numels),
+        [fsdp_params[i].layout.shard_dim != 0 for i in sharded],
+        params,
+        [(p.layout.slot_numel, p.layout.chunk_shape) for p in params],
+    )
+
+
 class ReduceScatterComm:
     """The reduce-scatter over the shard group (``collectives``) of
     ``world_size`` ranks; ``wire``: compressed gradients, by all-to-all.
@@ -80,6 +113,18 @@ class ReduceScatterComm:
         self.world_size = world_size
         self.exchanges = exchanges
         self.wire = wire
+        self._pack_plan: PackPlan | None = None  # of the last reduction
+
+    def pack_plan(self, fsdp_params: list[FSDPParam]) -> PackPlan:
+        """The packing of these parameters' gradients, kept while they are the same."""
+        plan = self._pack_plan
+        if (
+            plan is None
+            or len(plan.fsdp_params) != len(fsdp_params)
+            or not all(map(operator.is_, plan.fsdp_params, fsdp_params))
+        ):
+            plan = self._pack_plan = _pack_plan(fsdp_params)
+        return plan
 
     def sum_dtype(self, reduce_dtype: torch.dtype) -> torch.dtype:
         """The dtype the ranks' gradients are summed in (the divide plan's):
@@ -111,19 +156,16 @@ class ReduceScatterComm:
         if len({g.dtype for g in unsharded_grads}) > 1:
             # The fused copy-in takes one dtype (e.g. a zero gradient next to others).
             unsharded_grads = [g.to(reduce_dtype) for g in unsharded_grads]
-        pairs = list(zip(fsdp_params, unsharded_grads, strict=True))
-        sharded = [(p, g) for p, g in pairs if not p.layout.whole]
-        whole = [(p, g) for p, g in pairs if p.layout.whole]
-        slot_numels = [p.layout.slot_numel for p, _ in sharded]
-        block_numel = sum(slot_numels)
-        whole_numel = sum(g.numel() for _, g in whole)
+        pack = self.pack_plan(fsdp_params)
+        slot_numels, block_numel = pack.slot_numels, pack.block_numel
+        whole_numel = sum(unsharded_grads[i].numel() for i in pack.whole)
         world_size, device = self.world_size, unsharded_grads[0].device
         reduce_scatter_input = self.collectives.allocate(
             world_size * block_numel, reduce_dtype, device
         ).view(world_size, block_numel)
         # A world of one exchanges nothing: the input is the whole output, unless
         # whole gradients must follow it.
-        input_is_output = not self.exchanges and not whole
+        input_is_output = not self.exchanges and not pack.whole
         if input_is_output:
             output = reduce_scatter_input.view(-1)
         else:
@@ -132,9 +174,12 @@ class ReduceScatterComm:
             )
         # Empty gradients have empty slots; the fused copy rejects them. It pads and
         # chunks dim 0: a gradient sharded on another dim goes in as its rank-major view.
-        rows = [
-            g if p.layout.shard_dim == 0 else p.layout.rank_major(g, world_size) for p, g in sharded
-        ]
+        rows = [unsharded_grads[i] for i in pack.sharded]
+        if any(pack.rank_major):
+            rows = [
+                fsdp_params[i].layout.rank_major(g, world_size) if rank_major else g
+                for i, g, rank_major in zip(pack.sharded, rows, pack.rank_major, strict=True)
+            ]
         rows = [g for g in rows if g.numel() > 0]
         if rows:
             with profiled("reduce_scatter_copy_in", name):
@@ -143,7 +188,7 @@ class ReduceScatterComm:
                     reduce_scatter_input.div_(plan.pre_divisor)
         in_flight: list[InFlight] = []
         buffers: tuple[torch.Tensor, ...] = (reduce_scatter_input,)
-        if sharded and self.exchanges:
+        if pack.sharded and self.exchanges:
             issued, buffers = reduce_rows(
                 REDUCE_SCATTER,
                 output.narrow(0, 0, block_numel),
@@ -158,12 +203,13 @@ class ReduceScatterComm:
             in_flight.append(issued)
         elif not input_is_output:
             output.narrow(0, 0, block_numel).copy_(reduce_scatter_input.view(-1))
-        if whole:
+        if pack.whole:
             tail = output.narrow(0, block_numel, whole_numel)
+            whole = [unsharded_grads[i].reshape(-1) for i in pack.whole]
             if tail.dtype == reduce_dtype:
-                torch.cat([g.reshape(-1) for _, g in whole], out=tail)
+                torch.cat(whole, out=tail)
             else:  # summed in fp32 (compressed gradients)
-                tail.copy_(torch.cat([g.reshape(-1) for _, g in whole]))
+                tail.copy_(torch.cat(whole))
             if plan.pre_divisor is not None:
                 tail.div_(plan.pre_divisor)
             if self.exchanges:
@@ -176,9 +222,7 @@ class ReduceScatterComm:
                         lambda async_op: collectives.all_reduce(tail, op, async_op),
                     )
                 )
-        params = [p for p, _ in sharded + whole]
-        slots = [(p.layout.slot_numel, p.layout.chunk_shape) for p in params]
-        return ReduceInFlight(params, slots, buffers, output, plan, tuple(in_flight))
+        return ReduceInFlight(pack.params, pack.slots, buffers, output, plan, tuple(in_flight))
 
 
 def reduce_rows(
