@@ -743,8 +743,9 @@ def main(argv: list[str] | None = None) -> int:
     seconds = time.perf_counter() - started
     width = max(len(r.name) for r in rows)
     print(f"gpu-check on {where}, torch {torch.__version__}, {seconds:.0f} s")
+    print("(ok: checked and passed; FAIL: checked and failed; info: a measurement, no verdict)")
     for row in rows:
-        print(f"{row.name:<{width}}  {row.verdict or '':<4}  {row.value}")
+        print(f"{row.name:<{width}}  {row.verdict or 'info':<4}  {row.value}")
     table = out_dir / "gpu_check.json"
     summary = {"where": where, "torch": torch.__version__, "seconds": seconds}
     table.write_text(json.dumps({**summary, "rows": [r._asdict() for r in rows]}, indent=1))

@@ -118,6 +118,11 @@ def test_rehearsal_runs_every_check(tmp_path: Path) -> None:
     race = rows["x1 forced deliberate race (all-gather wait skipped): reports"]
     assert race["verdict"] == "ok" and int(race["value"]) > 0, race
     assert "CUDA sanitizer" in rows and "table:" in done.stdout
+    # Every printed row says what it is: ok, FAIL, or info (a measurement).
+    lines = done.stdout.splitlines()
+    for name in rows:
+        line = next(line for line in lines if line.startswith(name))
+        assert line[len(name) :].split()[0] in ("ok", "info"), line
 
 
 def test_exposed_communication_from_a_trace(tmp_path: Path) -> None:
