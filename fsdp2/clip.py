@@ -15,15 +15,24 @@ a replica is not counted again; the groups' results are combined on every rank.
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Iterable
+import operator
+from collections.abc import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor.placement_types import Placement
 
-from .private_api import foreach_mul_, local_tensor, shards_tensor
+from .private_api import (
+    dtensor_specs,
+    foreach_mul_,
+    local_tensor,
+    locals_in_place,
+    shards_tensor,
+)
 
 # (mesh, mesh axes the gradient is sharded over); (None, ()) for plain tensors.
 _GroupKey = tuple[DeviceMesh | None, tuple[int, ...]]
@@ -73,17 +82,18 @@ def clip_grad_norm_(
     """
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
-    parameters = list(parameters)
     norm_type = float(norm_type)
     if not norm_type > 0:
         raise ValueError(
             f"clip_grad_norm_ takes a positive norm_type or float('inf'), got {norm_type}"
         )
-    with_grad = [p for p in parameters if p.grad is not None]
-    if not with_grad:
+    # One read of each .grad (on a DTensor parameter it costs several times a
+    # plain one's), and everything after it one C-level pass per list.
+    grads = list(filter(_IS_GRAD, map(_GRAD, parameters)))
+    if not grads:
         return torch.tensor(0.0)
-    groups = _group_by_mesh(with_grad)
-    total = _total_norm(groups, norm_type, foreach, _grad(with_grad[0]).device)
+    groups = _group_by_mesh(grads)
+    total = _total_norm(groups, norm_type, foreach, grads[0].device)
     if error_if_nonfinite and not torch.isfinite(total).item():
         raise RuntimeError(
             f"clip_grad_norm_: the total {norm_type}-norm of the gradients is {total.item()}, "
@@ -93,8 +103,16 @@ def clip_grad_norm_(
     # Scaling needs no communication: each rank scales its own shards, as plain
     # tensors (one multi-tensor call; on DTensors each op would be dispatched
     # through sharding propagation, and refused across meshes).
-    _scale([_local(_grad(p)) for p in with_grad], max_norm, total, foreach)
+    _scale([t for locals_ in groups.values() for t in locals_], max_norm, total, foreach)
     return total
+
+
+_GRAD = operator.attrgetter("grad")
+_IS_GRAD = functools.partial(operator.is_not, None)
+_MESH = operator.attrgetter("mesh")
+_PLACEMENTS = operator.attrgetter("placements")
+_DEVICE = operator.attrgetter("device")
+_DTYPE = operator.attrgetter("dtype")
 
 
 def _scale(
@@ -104,10 +122,14 @@ def _scale(
     ``torch.nn.utils.clip_grads_with_norm_`` does (the same factor, so the same
     bits), one multi-tensor call per device and dtype."""
     coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
-    by_device: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for grad in grads:
-        by_device.setdefault((grad.device, grad.dtype), []).append(grad)
-    for (device, _), same in by_device.items():
+    kinds = set(zip(map(_DEVICE, grads), map(_DTYPE, grads), strict=True))
+    by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    if len(kinds) == 1:
+        by_kind[kinds.pop()] = grads
+    else:
+        for grad in grads:
+            by_kind.setdefault((grad.device, grad.dtype), []).append(grad)
+    for (device, _), same in by_kind.items():
         device_coef = coef.to(device)
         if foreach is False:
             for grad in same:
@@ -116,31 +138,38 @@ def _scale(
             foreach_mul_(same, device_coef)
 
 
-def _group_by_mesh(params: list[torch.Tensor]) -> dict[_GroupKey, list[torch.Tensor]]:
-    # Insertion order follows the parameters, the same on every rank, so the
-    # groups' all-reduces pair up across ranks.
+def _group_by_mesh(grads: list[torch.Tensor]) -> dict[_GroupKey, list[torch.Tensor]]:
+    """The gradients' local tensors by (mesh, sharded axes). Insertion order
+    follows the gradients, the same on every rank, so the groups' all-reduces
+    pair up across ranks."""
+    specs = dtensor_specs(grads)
+    if specs:
+        # Usually every gradient has one mesh and one placement: two counts
+        # (identity first, so mostly no __eq__) say so without a key per gradient.
+        first = specs[0]
+        count = len(specs)
+        if (
+            list(map(_MESH, specs)).count(first.mesh) == count
+            and list(map(_PLACEMENTS, specs)).count(first.placements) == count
+        ):
+            locals_ = list(grads)
+            locals_in_place(locals_)
+            return {_group_key(first.mesh, first.placements, grads[0], 0): locals_}
     groups: dict[_GroupKey, list[torch.Tensor]] = {}
-    for index, param in enumerate(params):
-        groups.setdefault(_group_key(_grad(param), index), []).append(param)
+    for index, grad in enumerate(grads):
+        if isinstance(grad, DTensor):
+            key = _group_key(grad.device_mesh, grad.placements, grad, index)
+            groups.setdefault(key, []).append(local_tensor(grad))
+        else:
+            groups.setdefault((None, ()), []).append(grad)
     return groups
 
 
-def _grad(param: torch.Tensor) -> torch.Tensor:
-    """The gradient of a parameter known to have one."""
-    if param.grad is None:
-        raise AssertionError("clip_grad_norm_: a parameter lost its gradient while clipping")
-    return param.grad
-
-
-def _local(grad: torch.Tensor) -> torch.Tensor:
-    return local_tensor(grad) if isinstance(grad, DTensor) else grad
-
-
-def _group_key(grad: torch.Tensor, index: int) -> _GroupKey:
-    if not isinstance(grad, DTensor):
-        return None, ()
+def _group_key(
+    mesh: DeviceMesh, placements: Sequence[Placement], grad: torch.Tensor, index: int
+) -> _GroupKey:
     sharded_axes = []
-    for axis, placement in enumerate(grad.placements):
+    for axis, placement in enumerate(placements):
         if shards_tensor(placement):
             sharded_axes.append(axis)
         elif not isinstance(placement, Replicate):
@@ -150,7 +179,7 @@ def _group_key(grad: torch.Tensor, index: int) -> _GroupKey:
                 "and Replicate gradients have a norm without communication of their own. "
                 "Redistribute it first, e.g. grad.redistribute(placements=[Replicate()])."
             )
-    return grad.device_mesh, tuple(sharded_axes)
+    return mesh, tuple(sharded_axes)
 
 
 def _total_norm(
@@ -159,11 +188,10 @@ def _total_norm(
     foreach: bool | None,
     device: torch.device,
 ) -> torch.Tensor:
-    grads = [_grad(p) for params in groups.values() for p in params]
-    dtype = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
+    dtypes = {dtype for locals_ in groups.values() for dtype in set(map(_DTYPE, locals_))}
+    dtype = torch.float64 if torch.float64 in dtypes else torch.float32
     per_group = []
-    for (mesh, sharded_axes), params in groups.items():
-        locals_ = [_local(_grad(p)) for p in params]
+    for (mesh, sharded_axes), locals_ in groups.items():
         value = _local_norm(locals_, norm_type, foreach).to(dtype)
         if not math.isinf(norm_type):
             value = value**norm_type
@@ -182,9 +210,10 @@ def _total_norm(
 def _local_norm(
     tensors: list[torch.Tensor], norm_type: float, foreach: bool | None
 ) -> torch.Tensor:
-    # An empty shard adds nothing to any norm, and the inf norm of an empty
-    # tensor raises (max has no identity): leave empty shards out.
-    tensors = [t for t in tensors if t.numel() > 0]
+    # An empty shard adds nothing to a p-norm (0), but the inf norm of an
+    # empty tensor raises (max has no identity): there, leave them out.
+    if math.isinf(norm_type):
+        tensors = [t for t in tensors if t.numel() > 0]
     if not tensors:
         return torch.zeros(())
     return torch.nn.utils.get_total_norm(tensors, norm_type, foreach=foreach)

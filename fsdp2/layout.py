@@ -160,6 +160,7 @@ class ShardLayout(NamedTuple):
             start += piece.start
             local_shape[0] = piece.rows
         mesh, placements = _sharded_placements(mesh_info, tp, shard_dim, whole, over_replicas)
+        placements = _INTERNED.setdefault(placements, placements)
         return cls(
             orig_size=param.size(),
             unsharded_size=unsharded_size,
@@ -226,6 +227,12 @@ def _chunk(data: torch.Tensor, chunks: int, dim: int, index: int) -> torch.Tenso
     if index < len(pieces):
         return pieces[index]
     return data.narrow(dim, data.size(dim), 0)
+
+
+# One tuple object per distinct placements, shared by every parameter (and
+# gradient) placed alike: clip.py asks whether thousands of gradients share
+# their placements, and the same object answers without an ``__eq__`` each.
+_INTERNED: dict[tuple[Placement, ...], tuple[Placement, ...]] = {}
 
 
 def _sharded_placements(

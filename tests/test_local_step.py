@@ -13,6 +13,7 @@ the same path.
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any
 
@@ -277,6 +278,51 @@ def _run_fallback(rank: int) -> None:
     assert ours_counts[1] == 0 and ours_counts[2] > 0, f"DTensor ops per step {ours_counts}"
 
 
+def _run_refill(rank: int) -> None:
+    """After a step, an optimizer's lists are read again from where its own
+    ``_init_group`` took them (local_step._Refill), without running it, until
+    something it would see differently: a state loaded anew, a gradient
+    missing. Every step equals torch's fully_shard's."""
+    for label, make in (
+        ("AdamW", lambda ps: torch.optim.AdamW(ps, lr=0.01, foreach=True)),
+        ("SGD", lambda ps: torch.optim.SGD(ps, lr=0.01, momentum=0.9, foreach=True)),
+    ):
+        ours = _shard(_model(), fsdp2.fully_shard)
+        theirs = _shard(_model(), torch_fully_shard)
+        optims = [make(m.blocks.parameters()) for m in (ours, theirs)]
+        calls: list[int] = []
+        now = [0]  # the step running
+        for step in range(6):
+            now[0] = step
+            for model, optim in zip((ours, theirs), optims, strict=True):
+                model(_batch(rank, step)).backward()
+                if step == 2:  # new state tensors, the same values
+                    optim.load_state_dict(copy.deepcopy(optim.state_dict()))
+                if step == 3:  # read by the math, not by _init_group
+                    optim.param_groups[0]["lr"] = 0.02
+                if step == 4:
+                    model.blocks[1][2].bias.grad = None
+                if optim is optims[0] and step == 1:  # installed at the first step
+                    local = optim.__dict__["_init_group"]
+                    counted = local._init_group
+                    local._init_group = lambda *a, c=calls, n=now, f=counted: (
+                        c.append(n[0]) or f(*a)
+                    )
+                with _DTensorOps() as ops:
+                    optim.step()
+                optim.zero_grad()
+                if optim is optims[0] and step > 1:
+                    assert ops.count == 0, f"{label}, step {step}: {ops.count} DTensor ops"
+            for param, their_param in zip(ours.parameters(), theirs.parameters(), strict=True):
+                _check_same_tensor(param, their_param, f"{label} refill, step {step}")
+        # SGD's momentum buffers appear at its first step, so its lists are
+        # learnt at the second; load_state_dict makes new param groups (step
+        # 2), and a missing gradient (step 4) and the step after it (learning
+        # again) run the optimizer's own.
+        expected = ([1] if label == "SGD" else []) + [2, 4, 5]
+        assert calls == expected, f"{label}: _init_group ran at steps {calls}"
+
+
 def _run(rank: int, world_size: int) -> None:
     for label, cls, kwargs in ELEMENTWISE_CASES:
         with labelled(label):
@@ -294,6 +340,8 @@ def _run(rank: int, world_size: int) -> None:
         _run_not_elementwise(rank)
     with labelled("fallback"):
         _run_fallback(rank)
+    with labelled("refill"):
+        _run_refill(rank)
 
 
 def test_elementwise_optimizers_step_local_tensors_like_torchs_path(tmp_path: Path) -> None:
