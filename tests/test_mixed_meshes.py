@@ -18,13 +18,15 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from dist import labelled, run_ranks
-from error_model import REF_TOL
+from error_model import REF_TOL, gamma
 from models import full_params, global_mean, local_batch, make_optimizer
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.testing import assert_close
 
 import fsdp2
+from fsdp2.private_api import dtensor_from_local_no_grad, dtensor_spec
 
 WORLD_SIZE = 4
 STEPS = 3
@@ -222,6 +224,58 @@ def _one_call_two_meshes(rank: int, world_size: int, meshes: tuple[DeviceMesh, D
     _train_with_clipping(rank, world_size, meshes, 2.0, None, 0.05, shard=_shard_in_one_call)
 
 
+MANY = 20_000  # gradient tensors in the many-tensors case (an MoE's experts)
+
+
+def _many_tensors(rank: int, world_size: int, meshes: tuple[DeviceMesh, DeviceMesh]) -> None:
+    """20k gradients of 1 to 5 rows (so some ranks hold empty shards), a
+    quarter on the HSDP mesh: the norm takes one all-reduce per group of
+    gradients (two here), not one per tensor, and the norm and the scaled
+    gradients are the full gradients' (float64 reference, error model)."""
+    dense, experts = meshes
+    gen = torch.Generator().manual_seed(7)  # the same full gradients on every rank
+    fulls = [torch.randn(1 + i % 5, 3, generator=gen) for i in range(MANY)]
+    # Wrapped without from_local or nn.Parameter: 20k of those take seconds.
+    specs: dict[tuple[bool, int], DTensorSpec] = {}
+    where = {
+        True: (experts, (Replicate(), Shard(0)), experts.get_local_rank(1), experts.size(1)),
+        False: (dense, (Shard(0),), dense.get_local_rank(0), dense.size(0)),
+    }
+    params = []
+    for i, full in enumerate(fulls):
+        mesh, placements, axis_rank, size = where[i % 4 == 0]
+        chunks = torch.chunk(full, size)
+        local = chunks[axis_rank] if axis_rank < len(chunks) else full[:0]
+        spec = specs.get((i % 4 == 0, full.size(0)))
+        if spec is None:
+            spec = specs[(i % 4 == 0, full.size(0))] = dtensor_spec(
+                mesh, placements, full.shape, full.dtype
+            )
+        param = dtensor_from_local_no_grad(torch.zeros_like(local), spec)
+        param.grad = dtensor_from_local_no_grad(local.clone(), spec)
+        params.append(param)
+    calls = []
+    all_reduce = dist.all_reduce
+
+    def counting(*args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(args[0].numel())
+        return all_reduce(*args, **kwargs)
+
+    dist.all_reduce = counting
+    try:
+        norm = fsdp2.clip_grad_norm_(params, max_norm=1.0)
+    finally:
+        dist.all_reduce = all_reduce
+    assert calls == [1, 1], f"all-reduces of {calls} elements: one per group expected"
+    exact = torch.cat(fulls).double().norm()
+    # The squares summed in some order: within gamma(n) of their sum (error model).
+    numel = sum(f.numel() for f in fulls)
+    assert abs(norm.double() ** 2 - exact**2) <= 2 * gamma(numel) * exact**2, (norm, exact)
+    coef = 1.0 / (norm + 1e-6)
+    for i in range(0, MANY, 997):
+        assert_close(params[i].grad.full_tensor(), fulls[i] * coef, msg=f"gradient {i}")
+
+
 def _mixed_meshes(rank: int, world_size: int) -> None:
     meshes = _meshes()
     for norm_type, foreach, max_norm in CLIP_CASES:
@@ -231,6 +285,8 @@ def _mixed_meshes(rank: int, world_size: int) -> None:
         _nonfinite_and_partial(rank, world_size, meshes)
     with labelled("both meshes in one fully_shard call (ShardPlacementResult)"):
         _one_call_two_meshes(rank, world_size, meshes)
+    with labelled(f"{MANY} gradient tensors"):
+        _many_tensors(rank, world_size, meshes)
 
 
 @pytest.mark.distributed
@@ -244,7 +300,9 @@ def test_moe_mixed_meshes_parity_and_clipping(tmp_path: Path) -> None:
     empty shards. A NaN on one rank fails error_if_nonfinite on every rank; a
     Partial grad is refused; torch's clip_grad_norm_ raises on mixed meshes.
     The same with both meshes in the root's one fully_shard call, the experts
-    placed by a ShardPlacementResult: one group per mesh, same numbers."""
+    placed by a ShardPlacementResult: one group per mesh, same numbers. With
+    20k gradient tensors on both meshes: one all-reduce per mesh group, the
+    full gradients' norm."""
     run_ranks(_mixed_meshes, WORLD_SIZE, tmp_path)
 
 
