@@ -24,7 +24,6 @@ uncached, and that grows faster than the tensor count (on this 2-core
 machine the first AdamW foreach step took 30 s at 1k tensors and 124 s at
 2k; torch's first clip over fsdp2's gradients 4.4 s at 1k and 76 s at 5k),
 so a 5k run of it would take most of an hour before its first timed round.
-Above it fsdp2's whole step clips with ``fsdp2.clip_grad_norm_``.
 
 Each round times every measure once for each model, the models' order
 rotated every round (the optimizer steps and clips on the gradients of the
@@ -35,8 +34,8 @@ rank's, at world size 2) and the ratios to plain:
 - one optimizer step each of ``AdamW(foreach=True)``, ``AdamW(fused=True)``
   and ``SGD(foreach=True, momentum=0.9)``, on the gradients of that backward;
 - ``torch.nn.utils.clip_grad_norm_`` and (fsdp2 only) ``fsdp2.clip_grad_norm_``;
-- the whole step: forward, backward, a clip (torch's; fsdp2's own for fsdp2
-  above ``--torch-up-to``), the AdamW foreach step, ``zero_grad()``.
+- the whole step: forward, backward, a clip (``fsdp2.clip_grad_norm_`` for
+  fsdp2, torch's for the others), the AdamW foreach step, ``zero_grad()``.
 """
 
 from __future__ import annotations
@@ -153,10 +152,10 @@ def _run(
         params = list(model.parameters())
         torch_clip = name != "fsdp2" or with_torch  # torch's code on fsdp2's DTensors
 
-        def clip() -> object:
-            if torch_clip:
-                return torch.nn.utils.clip_grad_norm_(params, 1.0)
-            return fsdp2.clip_grad_norm_(params, 1.0)
+        def clip() -> object:  # each model's own: fsdp2's for fsdp2
+            if name == "fsdp2":
+                return fsdp2.clip_grad_norm_(params, 1.0)
+            return torch.nn.utils.clip_grad_norm_(params, 1.0)
 
         def whole() -> None:
             backward(model)
