@@ -589,8 +589,6 @@ def _bytes_clip_and_checkpoints_quietly(rank: int, world_size: int, path: Path) 
         other.load_state_dict({name: value["param"] for name, value in expected.items()})
         for name, param in full_params(other).items():
             assert torch.equal(param, expected[name]["param"]), f"load_state_dict: {name}"
-    with labelled("set_model_state_dict of full state dicts, broadcast from rank 0"):
-        _set_full_state_dicts(rank, mesh, kind, expected, full_optim)
     save(model, optim, path / "over_replicas")
 
     with labelled("into plain HSDP"):
@@ -609,7 +607,11 @@ def _bytes_clip_and_checkpoints_quietly(rank: int, world_size: int, path: Path) 
             mean_loss(m, *local_batch(global_batch(kind, 5), rank, world_size)).backward()
             o.step()
             o.zero_grad()
-        check_state(full_state(back, back_optim), full_state(hsdp, hsdp_optim), "stepped")
+        stepped = full_state(hsdp, hsdp_optim)
+        check_state(full_state(back, back_optim), stepped, "stepped")
+
+    with labelled("set_model_state_dict of full state dicts, broadcast from rank 0"):
+        _set_full_state_dicts(rank, mesh, kind, expected, full_optim, stepped)
 
     with labelled("into 1D FSDP at world size 2"):
         # Two independent 2-rank worlds, ranks 0-1 and 2-3, each loading the checkpoint.
@@ -628,28 +630,40 @@ def _bytes_clip_and_checkpoints_quietly(rank: int, world_size: int, path: Path) 
             assert torch.equal(hsdp_like, shard), name
 
 
-def _set_full_state_dicts(rank: int, mesh, kind: str, expected: dict, full_optim: dict) -> None:
+def _check_pieces(
+    model: nn.Module, optim: torch.optim.Optimizer, full: dict, rank: int, what: str
+) -> None:
+    """Each rank's pieces of the parameters and momentum are nested torch.chunk's
+    of the full tensors (``full_state``'s), bit for bit, checked locally."""
+    r, s = divmod(rank, 2)
+    for name, param in model.named_parameters():
+        rows = _nested_rows(param.size(0), 2, 2, r, s)
+        for key, value in (
+            ("param", param),
+            ("momentum_buffer", optim.state[param]["momentum_buffer"]),
+        ):
+            assert torch.equal(value.to_local(), full[name][key][rows]), f"{what}: {name} {key}"
+
+
+def _set_full_state_dicts(
+    rank: int, mesh, kind: str, expected: dict, full_optim: dict, stepped: dict
+) -> None:
     """Full state dicts through torch's set_model_state_dict and
     set_optimizer_state_dict: with full_state_dict=True alone torch's
     distribute_tensor asserts on a dim 0 that R*S does not divide (10 rows on
     2 x 2), before any fsdp2 code runs; with broadcast_from_rank0=True torch
-    cuts each piece at DTensor's offset, right for this layout, bit for bit.
-    The next step equals plain HSDP's loaded the same way."""
+    cuts each piece at DTensor's offset, right for this layout: bit for bit,
+    and the next step equals plain HSDP's from the same state (``stepped``)."""
+    model = shard_model(perturbed(kind), mesh=mesh, shard_optimizer_over_replicas=True)
+    optim = make_optimizer(model)
+    broadcast = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     full = {name: value["param"] for name, value in expected.items()}
-    over, hsdp = (
-        shard_model(perturbed(kind), mesh=mesh, shard_optimizer_over_replicas=option)
-        for option in (True, False)
-    )
-    optims = [make_optimizer(m) for m in (over, hsdp)]
-    for m, optim in zip((over, hsdp), optims, strict=True):
-        broadcast = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-        set_model_state_dict(m, dict(full) if rank == 0 else {}, options=broadcast)
-        set_optimizer_state_dict(m, optim, full_optim if rank == 0 else {}, options=broadcast)
-    check_state(full_state(over, optims[0]), expected, "set_*_state_dict, broadcast")
-    for m, optim in zip((over, hsdp), optims, strict=True):
-        mean_loss(m, *local_batch(global_batch(kind, 5), rank, 4)).backward()
-        optim.step()
-    check_state(full_state(over, optims[0]), full_state(hsdp, optims[1]), "stepped")
+    set_model_state_dict(model, dict(full) if rank == 0 else {}, options=broadcast)
+    set_optimizer_state_dict(model, optim, full_optim if rank == 0 else {}, options=broadcast)
+    _check_pieces(model, optim, expected, rank, "set_*_state_dict, broadcast")
+    mean_loss(model, *local_batch(global_batch(kind, 5), rank, 4)).backward()
+    optim.step()
+    _check_pieces(model, optim, stepped, rank, "stepped after set_*_state_dict")
 
     torch.manual_seed(1)
     source = nn.Linear(3, 10)  # 10 rows on 2 x 2: pieces of 3, 2, 3 and 2 rows
@@ -658,7 +672,6 @@ def _set_full_state_dicts(rank: int, mesh, kind: str, expected: dict, full_optim
     with pytest.raises(AssertionError):  # torch's; docs/usage.md gives the way out
         set_model_state_dict(model, dict(ten_rows), options=StateDictOptions(full_state_dict=True))
     model = fsdp2.fully_shard(nn.Linear(3, 10), mesh=mesh, shard_optimizer_over_replicas=True)
-    broadcast = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     set_model_state_dict(model, dict(ten_rows) if rank == 0 else {}, options=broadcast)
     assert [p.to_local().size(0) for p in model.parameters()] == [(3, 2)[rank // 2]] * 2
     for name, param in full_params(model).items():
