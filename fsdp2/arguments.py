@@ -47,6 +47,7 @@ from .policy import (
 )
 from .private_api import module_parameters
 from .state import FSDPState, get_fsdp_state
+from .torch_fsdp import check_no_torch_fsdp_inside
 
 PlacementFn = Callable[[nn.Parameter], Shard | ShardPlacementResult | None]
 
@@ -105,6 +106,7 @@ def resolve_call(
     """``fully_shard``'s arguments (see its docstring) as a ``ShardingCall``;
     raises on the first mistake, before anything is changed."""
     modules = _module_list(module)
+    check_no_torch_fsdp_inside(_named_submodules(modules))
     mp_policy, offload_policy = check_policies(mp_policy, offload_policy)
     check_min_numel_to_shard(min_numel_to_shard)
     over_replicas = check_bool(
@@ -252,13 +254,18 @@ def _named_members(modules: list[nn.Module]) -> list[tuple[str, nn.Module]]:
     return [(f"{i}.", member) for i, member in enumerate(modules)]
 
 
-def _module_paths(modules: list[nn.Module]) -> dict[int, str]:
-    """Path, as named in this call, of every submodule of the modules of the call."""
-    return {
-        id(submodule): f"{prefix}{name}".removesuffix(".")
+def _named_submodules(modules: list[nn.Module]) -> list[tuple[str, nn.Module]]:
+    """Every submodule of the modules of the call with its path, as named in this call."""
+    return [
+        (f"{prefix}{name}".removesuffix("."), submodule)
         for prefix, member in _named_members(modules)
         for name, submodule in member.named_modules()
-    }
+    ]
+
+
+def _module_paths(modules: list[nn.Module]) -> dict[int, str]:
+    """Path, as named in this call, of every submodule of the modules of the call."""
+    return {id(submodule): path for path, submodule in _named_submodules(modules)}
 
 
 def _nested_states(modules: list[nn.Module]) -> list[FSDPState]:

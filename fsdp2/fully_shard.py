@@ -17,6 +17,7 @@ from .markers import SHARDED_AS
 from .mesh import DataParallelMeshDims
 from .mistakes import mark_ignored
 from .module import FSDPModule
+from .over_replicas import quiet_two_all_gathers_notice
 from .param import FSDPParam, Registration
 from .param_group import FSDPParamGroup
 from .policy import CompressionPolicy, MixedPrecisionPolicy, OffloadPolicy
@@ -192,6 +193,8 @@ def fully_shard(
         shard_optimizer_over_replicas=shard_optimizer_over_replicas,
     )
     modules = call.modules
+    if call.comm_settings.over_replicas:
+        quiet_two_all_gathers_notice()  # full tensors of this layout: harmless, see why there
     mark_ignored(call.ignored)  # plain on purpose: not "a root left unsharded" (mistakes.py)
     state = FSDPState(
         modules, call.mesh_info, call.device, call.reshard_after_forward, call.mp_policy

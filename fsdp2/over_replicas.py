@@ -35,9 +35,11 @@ shard group is compressed too with ``across="all"``.
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 import torch
+from torch.distributed.tensor import Shard
 
 from .all_gather import AllGatherComm, AllGatherInputs
 from .comm import REPLICA_REDUCE_SCATTER, CommContext, InFlight
@@ -46,7 +48,7 @@ from .compressed import GradientWire
 from .layout import PieceLayout, ShardLayout
 from .markers import KEPT_CHUNK
 from .primitives import Collectives
-from .private_api import chunk_cat_, local_tensor
+from .private_api import chunk_cat_, is_strided_shard, local_tensor, redistribute_logger
 from .reduce_scatter import ReduceInFlight, reduce_rows
 from .replica_stage import ReplicaStage, add_partial_grads, all_reduce_across
 from .wire import dequantize_rows, quantize_rows, rows_wire_bytes
@@ -325,3 +327,40 @@ class ReduceScatterAcrossReplicas(ReplicaStage):
         return reduced._replace(
             slots=slots, buffers=buffers, output=output, in_flight=tuple(in_flight)
         )
+
+
+# [Note: two all-gathers for a full tensor]
+# DTensor gathers a (_StridedShard(0, S), Shard(0)) parameter (full_tensor(), the full
+# state dicts of torch.distributed.checkpoint.state_dict) with two all-gathers, inside
+# the shard group and then across the replicas, and logs once per mesh and process that
+# "2 sequential all_gather operations ... may give inconsistent results between ranks
+# due to different reduction orders". An all-gather reduces nothing: every rank gets
+# the same bits, whatever the order. The two cannot be one: that would need a
+# flattened mesh ordering the ranks shard-major, and DeviceMesh flattens axes only in
+# their order. So fsdp2 drops exactly that notice (all-gathers out of this layout);
+# DTensor's other notices, those about reductions included, stay.
+
+
+class _TwoAllGathersNotice(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if not (isinstance(args, tuple) and len(args) == 5):
+            return True
+        src, _dst, _count, collective, _reason = args
+        over_replicas_layout = (
+            isinstance(src, tuple | list)
+            and len(src) == 2
+            and is_strided_shard(src[0])
+            and type(src[1]) is Shard
+            and src[0].dim == src[1].dim
+        )
+        return not (collective == "all_gather" and over_replicas_layout)
+
+
+_NOTICE_FILTER = _TwoAllGathersNotice()
+
+
+def quiet_two_all_gathers_notice() -> None:
+    """Drops DTensor's notice about the two all-gathers of a full tensor of this
+    layout (see [Note: two all-gathers for a full tensor]); once per process."""
+    redistribute_logger().addFilter(_NOTICE_FILTER)  # a no-op when already there

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from .bool_args import check_bool
+from .torch_fsdp import TORCH_FSDP
 
 
 @dataclass(frozen=True)
@@ -63,7 +64,6 @@ class CPUOffloadPolicy(OffloadPolicy):
 
 # torch.distributed.fsdp's policies with the same meaning as fsdp2's, recognised by
 # the name and module of their class: fsdp2 never imports torch's FSDP.
-_TORCH_FSDP = "torch.distributed.fsdp"
 _TORCH_POLICIES = ("MixedPrecisionPolicy", "CPUOffloadPolicy", "OffloadPolicy")
 
 
@@ -76,7 +76,7 @@ def from_torch_policy(policy: object) -> object:
         (
             cls.__name__
             for cls in type(policy).__mro__
-            if cls.__module__.startswith(_TORCH_FSDP) and cls.__name__ in _TORCH_POLICIES
+            if cls.__module__.startswith(TORCH_FSDP) and cls.__name__ in _TORCH_POLICIES
         ),
         None,
     )

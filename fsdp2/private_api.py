@@ -18,6 +18,7 @@ import contextlib
 import copy
 import dataclasses
 import functools
+import logging
 import operator
 from collections.abc import Callable
 from typing import Any, Literal, TypeVar
@@ -57,6 +58,8 @@ __all__ = [
     "premul_sum",
     "queue_backward_callback",
     "shards_tensor",
+    "is_strided_shard",
+    "redistribute_logger",
     "step_local_tensors",
     "dtensor_specs",
     "locals_in_place",
@@ -436,6 +439,25 @@ def shards_tensor(placement: Placement) -> bool:
     ``is_shard()`` answers False.
     """
     return isinstance(placement, Shard | _StridedShard)
+
+
+def is_strided_shard(placement: object) -> bool:
+    """Whether ``placement`` is a ``_StridedShard`` (see ``strided_shard``).
+
+    Why private: the class is private.
+    """
+    return isinstance(placement, _StridedShard)
+
+
+def redistribute_logger() -> logging.Logger:
+    """The logger of DTensor's redistribution, whose notices name each step it
+    could not merge into one collective (``(src placements, dst placements,
+    count, collective, reason)`` as the record's arguments).
+
+    Why private: the notice is logged, not warned, by a private module; no
+    public switch turns it off.
+    """
+    return logging.getLogger("torch.distributed.tensor._redistribute")
 
 
 def run_as_collective(

@@ -37,6 +37,7 @@ from .policy import MixedPrecisionPolicy
 from .post_backward import register_post_backward
 from .private_api import in_backward, local_tensor, map_tensors, profiled, tensors_in
 from .root import RootContext
+from .torch_fsdp import check_not_under_torch_fsdp
 
 
 def _profiled(name: str) -> Callable[[Callable], Callable]:
@@ -117,6 +118,7 @@ class FSDPState:
         """Makes this state the root of every state below it (first forward only)."""
         if self.is_root is not None:
             return
+        check_not_under_torch_fsdp(self.modules, self.module_names)
         if self.parent is not None:
             raise RuntimeError(
                 f"fsdp2: the forward of a sharded {self.module_names} ran before the "

@@ -7,11 +7,17 @@ them run without an error or a warning:
 - HSDP replicas, or min_numel_to_shard's whole copies, built differently.
 
 One spawn per world size: 2 ranks for FSDP, 4 for HSDP (2 x 2).
+
+A model mixing fsdp2 with torch's own fully_shard stops with one error from
+fsdp2 that says to use one implementation (fsdp2/torch_fsdp.py): in one
+process, on a 1-rank gloo group.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
+import gc
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -36,7 +42,8 @@ from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     set_model_state_dict,
 )
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed._tensor.common_dtensor import Transformer
 
@@ -272,6 +279,130 @@ def _hsdp(rank: int, world: int) -> None:
 @pytest.mark.distributed
 def test_hsdp_replicas_that_differ(tmp_path: Path) -> None:
     run_ranks(_hsdp, 4, tmp_path)
+
+
+# -- torch's own fully_shard mixed in: one process, 1 rank --------------------------
+
+USE_ONE = (
+    r"fsdp2 and torch's implementation cannot be mixed in one model: .* Use one implementation for the whole model: "
+    r"fsdp2\.fully_shard on every block and on the root .*, or "
+    r"torch\.distributed\.fsdp\.fully_shard on every module\."
+)
+
+
+class Blocks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(4, 4) for _ in range(2)])
+        self.out = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return self.out(x)
+
+
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    store = tmp_path_factory.mktemp("one_rank") / "store"
+    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"file://{store}")
+    try:
+        yield
+    finally:
+        gc.collect()
+        dist.destroy_process_group()
+
+
+def _mesh(named: bool = True) -> DeviceMesh:
+    return init_device_mesh("cpu", (1,), mesh_dim_names=("dp",) if named else None)
+
+
+def _torch_block_fsdp2_root(model: Blocks) -> object:
+    torch_fully_shard(model.layers[0], mesh=_mesh())
+    return fsdp2.fully_shard(model, mesh=_mesh())
+
+
+def _torch_root_first(model: Blocks) -> object:
+    torch_fully_shard(model, mesh=_mesh())
+    return fsdp2.fully_shard(model.layers[0], mesh=_mesh())
+
+
+def _the_same_module(model: Blocks) -> object:
+    torch_fully_shard(model.layers[0], mesh=_mesh())
+    return fsdp2.fully_shard(model.layers[0], mesh=_mesh())
+
+
+def _in_a_list(model: Blocks) -> object:
+    torch_fully_shard(model.out, mesh=_mesh())
+    return fsdp2.fully_shard([model.layers[0], model.out], mesh=_mesh())
+
+
+SHARDED_BY_TORCH = r"is already sharded by torch's own fully_shard \(torch\.distributed\.fsdp\)"
+
+
+@pytest.mark.parametrize(
+    ("mix", "head"),
+    [
+        (_torch_block_fsdp2_root, rf"'layers\.0' \(FSDPLinear\) {SHARDED_BY_TORCH}\. "),
+        (_torch_root_first, rf"Linear {SHARDED_BY_TORCH}, applied to a module containing it\. "),
+        (_the_same_module, rf"FSDPLinear {SHARDED_BY_TORCH}\. "),
+        (_in_a_list, rf"'1' \(FSDPLinear\) {SHARDED_BY_TORCH}\. "),
+    ],
+    ids=["torch_block_fsdp2_root", "torch_root_first", "the_same_module", "in_a_list"],
+)
+def test_torch_fully_shard_inside_raises_at_fully_shard(one_rank: None, mix, head: str) -> None:
+    """torch's blocks under an fsdp2 root (once diagnosed as tensor parallelism),
+    or torch's root applied first: fsdp2's fully_shard refuses, changing nothing."""
+    model = Blocks()
+    with pytest.raises(ValueError, match=rf"^fully_shard: {head}{USE_ONE}"):
+        mix(model)
+    assert not any(isinstance(m, fsdp2.FSDPModule) for m in model.modules())
+    assert not any("_fsdp_state" in m.__dict__ for m in model.modules())
+
+
+def test_fsdp2_blocks_under_a_torch_root_raise_at_the_first_forward(one_rank: None) -> None:
+    """torch's fully_shard applied to the root after fsdp2's on the blocks: the
+    first forward raises fsdp2's error. (Where torch's fully_shard fails first,
+    inside torch, fsdp2 never runs: an unnamed mesh here, any mesh over two
+    ranks or more; docs/usage.md names both messages.)"""
+    model = Blocks()
+    for layer in model.layers:
+        fsdp2.fully_shard(layer, mesh=_mesh())
+    torch_fully_shard(model, mesh=_mesh())
+    with pytest.raises(
+        RuntimeError,
+        match=r"^fsdp2: FSDPLinear was sharded by fsdp2\.fully_shard, and then torch's own "
+        r"fully_shard \(torch\.distributed\.fsdp\) was applied to a module containing it\. "
+        + USE_ONE,
+    ):
+        model(torch.randn(2, 4))
+
+    model = Blocks()
+    fsdp2.fully_shard(model.layers[0], mesh=_mesh(named=False))
+    with pytest.raises(TypeError, match="Invariant encountered: value was None"):
+        torch_fully_shard(model, mesh=_mesh(named=False))
+
+
+def test_an_fsdp2_model_beside_a_torch_one(one_rank: None) -> None:
+    """The legitimate neighbour: torch's fully_shard on a copy (a reference),
+    fsdp2's on the model, each on every module of its own: no error or warning,
+    the same outputs and gradients."""
+    torch.manual_seed(0)
+    model = Blocks()
+    ref = copy.deepcopy(model)
+    for layers, shard in ((model.layers, fsdp2.fully_shard), (ref.layers, torch_fully_shard)):
+        for layer in layers:
+            shard(layer, mesh=_mesh())
+    fsdp2.fully_shard(model, mesh=_mesh())
+    torch_fully_shard(ref, mesh=_mesh())
+    x = torch.randn(3, 4)
+    with no_warnings():
+        losses = [m(x).sum() for m in (model, ref)]
+        for loss in losses:
+            loss.backward()
+    assert torch.equal(losses[0], losses[1])
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        assert torch.equal(p.grad.full_tensor(), q.grad.full_tensor()), name
 
 
 # -- print(stats) ---------------------------------------------------------------------
