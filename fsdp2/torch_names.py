@@ -95,9 +95,11 @@ def install_as_torch_fsdp() -> TorchFSDPNames:
         A ``TorchFSDPNames``: ``undo()`` restores torch's names, and ``with
         fsdp2.install_as_torch_fsdp():`` installs for the block only.
     """
+    # All imported before any is changed: one imported later would bind fsdp2's
+    # objects from the start, and undo() would not give it torch's.
+    modules = [importlib.import_module(namespace) for namespace in TORCH_NAMESPACES]
     replaced: list[tuple[ModuleType, str, object]] = []
-    for namespace in TORCH_NAMESPACES:
-        module = importlib.import_module(namespace)  # every one, so undo() is exact
+    for module in modules:
         for name, fsdp2_object in FSDP2_OBJECTS.items():
             original = getattr(module, name, fsdp2_object)
             if original is not fsdp2_object:

@@ -72,6 +72,25 @@ def test_install_puts_fsdp2_under_torchs_names_and_undo_restores_them() -> None:
     assert _torch_names() == before
 
 
+def test_undo_restores_torchs_names_in_namespaces_imported_by_the_install() -> None:
+    """``torch.distributed._composable.fsdp`` is imported from the patched
+    ``torch.distributed.fsdp``: imported after the patch, it would keep fsdp2's."""
+    composable = [n for n in TORCH_NAMESPACES if n.startswith("torch.distributed._composable")]
+    saved = {name: sys.modules.pop(name) for name in composable if name in sys.modules}
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            fsdp2.install_as_torch_fsdp().undo()
+        fresh = importlib.import_module(composable[0])
+        assert fresh.FSDPModule is torch_fsdp.FSDPModule is not fsdp2.FSDPModule
+        assert fresh.fully_shard is torch_fsdp.fully_shard
+    finally:  # the modules other tests imported, as they were
+        sys.modules.update(saved)
+        if composable[0] in saved:
+            parent = sys.modules["torch.distributed._composable"]
+            parent.fsdp = saved[composable[0]]  # type: ignore[attr-defined]
+
+
 def test_install_names_modules_that_imported_torchs_names_before_it() -> None:
     early = types.ModuleType("early_client")
     early.FSDPModule = torch_fsdp.FSDPModule  # type: ignore[attr-defined]
