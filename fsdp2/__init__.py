@@ -11,6 +11,7 @@ from .module import FSDPModule, UnshardHandle, register_fsdp_forward_method, sha
 from .policy import CompressionPolicy, CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from .stats import CommStats
 from .summary import GroupSummary, comm_stats, summary
+from .torch_names import TorchFSDPNames, install_as_torch_fsdp
 
 __all__ = [
     "AllGather",
@@ -25,10 +26,12 @@ __all__ = [
     "OffloadPolicy",
     "ReduceScatter",
     "ShardPlacementResult",
+    "TorchFSDPNames",
     "UnshardHandle",
     "clip_grad_norm_",
     "comm_stats",
     "fully_shard",
+    "install_as_torch_fsdp",
     "register_fsdp_forward_method",
     "share_comm_ctx",
     "summary",

@@ -40,7 +40,9 @@ from .param_checks import (
 )
 from .policy import (
     CompressionPolicy,
+    MixedPrecisionArg,
     MixedPrecisionPolicy,
+    OffloadArg,
     OffloadPolicy,
     from_torch_policy,
     full_type_name,
@@ -94,9 +96,9 @@ def resolve_call(
     *,
     mesh: DeviceMesh | None,
     reshard_after_forward: bool | int | None,
-    mp_policy: MixedPrecisionPolicy,
+    mp_policy: MixedPrecisionArg,
     ignored_params: set[nn.Parameter] | None,
-    offload_policy: OffloadPolicy,
+    offload_policy: OffloadArg,
     shard_placement_fn: PlacementFn | None,
     dp_mesh_dims: DataParallelMeshDims | None,
     min_numel_to_shard: int,

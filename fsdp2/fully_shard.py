@@ -20,7 +20,13 @@ from .module import FSDPModule
 from .over_replicas import quiet_two_all_gathers_notice
 from .param import FSDPParam, Registration
 from .param_group import FSDPParamGroup
-from .policy import CompressionPolicy, MixedPrecisionPolicy, OffloadPolicy
+from .policy import (
+    CompressionPolicy,
+    MixedPrecisionArg,
+    MixedPrecisionPolicy,
+    OffloadArg,
+    OffloadPolicy,
+)
 from .private_api import in_backward, mark_composable_api, module_parameters
 from .state import FSDPState, get_fsdp_state
 from .state_dict import register_state_dict_hooks
@@ -41,9 +47,9 @@ class FullyShard(Protocol):
         *,
         mesh: DeviceMesh | None = ...,
         reshard_after_forward: bool | int | None = ...,
-        mp_policy: MixedPrecisionPolicy = ...,
+        mp_policy: MixedPrecisionArg = ...,
         ignored_params: set[nn.Parameter] | None = ...,
-        offload_policy: OffloadPolicy = ...,
+        offload_policy: OffloadArg = ...,
         shard_placement_fn: PlacementFn | None = ...,
         dp_mesh_dims: DataParallelMeshDims | None = ...,
         min_numel_to_shard: int = ...,
@@ -58,9 +64,9 @@ class FullyShard(Protocol):
         *,
         mesh: DeviceMesh | None = ...,
         reshard_after_forward: bool | int | None = ...,
-        mp_policy: MixedPrecisionPolicy = ...,
+        mp_policy: MixedPrecisionArg = ...,
         ignored_params: set[nn.Parameter] | None = ...,
-        offload_policy: OffloadPolicy = ...,
+        offload_policy: OffloadArg = ...,
         shard_placement_fn: PlacementFn | None = ...,
         dp_mesh_dims: DataParallelMeshDims | None = ...,
         min_numel_to_shard: int = ...,
@@ -83,9 +89,9 @@ def fully_shard(
     *,
     mesh: DeviceMesh | None = None,
     reshard_after_forward: bool | int | None = None,
-    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),  # noqa: B008 (frozen)
+    mp_policy: MixedPrecisionArg = MixedPrecisionPolicy(),  # noqa: B008 (frozen)
     ignored_params: set[nn.Parameter] | None = None,
-    offload_policy: OffloadPolicy = OffloadPolicy(),  # noqa: B008 (frozen)
+    offload_policy: OffloadArg = OffloadPolicy(),  # noqa: B008 (frozen)
     shard_placement_fn: PlacementFn | None = None,
     dp_mesh_dims: DataParallelMeshDims | None = None,
     min_numel_to_shard: int = 0,

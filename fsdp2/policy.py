@@ -3,7 +3,7 @@ compression (whose wire formats are in wire.py), and torch's FSDP2 policies
 converted to fsdp2's."""
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import torch
 
@@ -60,6 +60,18 @@ class CPUOffloadPolicy(OffloadPolicy):
 
     def __post_init__(self) -> None:
         check_bool("CPUOffloadPolicy", "pin_memory", self.pin_memory)
+
+
+if TYPE_CHECKING:
+    # torch's FSDP2 policies are accepted where fsdp2's are (converted by
+    # from_torch_policy), so type checkers accept them too; imported for them only.
+    import torch.distributed.fsdp as torch_fsdp
+
+    MixedPrecisionArg: TypeAlias = MixedPrecisionPolicy | torch_fsdp.MixedPrecisionPolicy
+    OffloadArg: TypeAlias = OffloadPolicy | torch_fsdp.OffloadPolicy
+else:  # at run time fsdp2 never imports torch's FSDP: the types they become
+    MixedPrecisionArg = MixedPrecisionPolicy
+    OffloadArg = OffloadPolicy
 
 
 # torch.distributed.fsdp's policies with the same meaning as fsdp2's, recognised by

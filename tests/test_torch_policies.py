@@ -70,8 +70,8 @@ def test_fully_shard_builds_with_torchs_policies(mesh: DeviceMesh) -> None:
     model = fsdp2.fully_shard(
         nn.Linear(8, 8),
         mesh=mesh,
-        mp_policy=mp_policy,  # type: ignore[arg-type]
-        offload_policy=torch_fsdp.CPUOffloadPolicy(pin_memory=False),  # type: ignore[arg-type]
+        mp_policy=mp_policy,
+        offload_policy=torch_fsdp.CPUOffloadPolicy(pin_memory=False),
     )
     state = model._fsdp_state
     expected = fsdp2.MixedPrecisionPolicy(

@@ -1,0 +1,133 @@
+"""``install_as_torch_fsdp``: fsdp2's objects under torch's public FSDP2 names, for
+libraries that look those names up when they run (accelerate, transformers).
+
+The one place where fsdp2 touches torch's FSDP: it writes names into torch's
+namespaces and never calls torch's implementation. torch's modules are
+imported here, at call time, so that ``import fsdp2`` keeps not importing them.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import warnings
+from types import ModuleType, TracebackType
+
+from .fully_shard import fully_shard
+from .mesh import DataParallelMeshDims
+from .module import FSDPModule, UnshardHandle, register_fsdp_forward_method, share_comm_ctx
+from .policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
+# torch's public FSDP2 names whose fsdp2 object has the same meaning.
+FSDP2_OBJECTS: dict[str, object] = {
+    "fully_shard": fully_shard,
+    "FSDPModule": FSDPModule,
+    "UnshardHandle": UnshardHandle,
+    "register_fsdp_forward_method": register_fsdp_forward_method,
+    "share_comm_ctx": share_comm_ctx,
+    "DataParallelMeshDims": DataParallelMeshDims,
+    "MixedPrecisionPolicy": MixedPrecisionPolicy,
+    "CPUOffloadPolicy": CPUOffloadPolicy,
+    "OffloadPolicy": OffloadPolicy,
+}
+# torch's policies given to fsdp2 are converted (policy.from_torch_policy): a
+# library holding them needs no warning.
+_CONVERTED = {"MixedPrecisionPolicy", "CPUOffloadPolicy", "OffloadPolicy"}
+
+# The namespaces that re-export torch's FSDP2 names. The modules that define
+# them (_fully_shard._fully_shard, _fsdp_api) keep torch's objects: torch's
+# fully_shard reads FSDPModule from its module's globals to build its classes.
+TORCH_NAMESPACES = (
+    "torch.distributed.fsdp",
+    "torch.distributed.fsdp._fully_shard",
+    "torch.distributed._composable.fsdp",
+    "torch.distributed._composable.fsdp.fully_shard",
+)
+# torch's FSDP itself, which holds torch's objects by design.
+_TORCH_FSDP_PACKAGES = ("torch.distributed.fsdp", "torch.distributed._composable")
+
+
+class TorchFSDPNames:
+    """What ``install_as_torch_fsdp`` replaced. ``undo()`` (or leaving the
+    ``with`` block) puts torch's objects back."""
+
+    def __init__(self, replaced: list[tuple[ModuleType, str, object]]) -> None:
+        self._replaced = replaced  # (namespace, name, torch's object)
+
+    @property
+    def replaced(self) -> list[str]:
+        """The names replaced, as ``module.name``."""
+        return [f"{module.__name__}.{name}" for module, name, _ in self._replaced]
+
+    def undo(self) -> None:
+        """Puts torch's objects back under the names this install replaced
+        (a name set to something else since is left as it is). Idempotent."""
+        for module, name, original in reversed(self._replaced):
+            if getattr(module, name, None) is FSDP2_OBJECTS[name]:
+                setattr(module, name, original)
+        self._replaced = []
+
+    def __enter__(self) -> TorchFSDPNames:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.undo()
+
+
+def install_as_torch_fsdp() -> TorchFSDPNames:
+    """Puts fsdp2's ``fully_shard``, ``FSDPModule``, ``UnshardHandle``,
+    ``register_fsdp_forward_method``, ``share_comm_ctx``,
+    ``DataParallelMeshDims`` and policies under the same names in
+    ``torch.distributed.fsdp`` (and ``torch.distributed._composable.fsdp``), so
+    a library that looks them up when it runs shards with fsdp2 and recognises
+    fsdp2's modules (accelerate's FSDP2 path: ``isinstance(m, FSDPModule)``).
+
+    Call it before importing such a library: a module that bound torch's names
+    at its own import keeps torch's, and is named in a warning. Process-wide
+    until undone; calling it again changes nothing.
+
+    Returns:
+        A ``TorchFSDPNames``: ``undo()`` restores torch's names, and ``with
+        fsdp2.install_as_torch_fsdp():`` installs for the block only.
+    """
+    # All imported before any is changed: one imported later would bind fsdp2's
+    # objects from the start, and undo() would not give it torch's.
+    modules = [importlib.import_module(namespace) for namespace in TORCH_NAMESPACES]
+    replaced: list[tuple[ModuleType, str, object]] = []
+    for module in modules:
+        for name, fsdp2_object in FSDP2_OBJECTS.items():
+            original = getattr(module, name, fsdp2_object)
+            if original is not fsdp2_object:
+                replaced.append((module, name, original))
+                setattr(module, name, fsdp2_object)
+    _warn_about_early_bindings({name: original for _, name, original in replaced})
+    return TorchFSDPNames(replaced)
+
+
+def _warn_about_early_bindings(originals: dict[str, object]) -> None:
+    """Warns about modules that hold torch's objects in their globals (bound by
+    ``from torch.distributed.fsdp import ...`` at their import): the install
+    does not reach them."""
+    watched = {id(obj): name for name, obj in originals.items() if name not in _CONVERTED}
+    holders: list[str] = []
+    for module_name, module in list(sys.modules.items()):
+        if module_name.startswith(_TORCH_FSDP_PACKAGES):
+            continue
+        names = getattr(module, "__dict__", None)
+        if not isinstance(names, dict):
+            continue
+        held = sorted({watched[id(v)] for v in list(names.values()) if id(v) in watched})
+        if held:
+            holders.append(f"{module_name} ({', '.join(held)})")
+    if holders:
+        warnings.warn(
+            "fsdp2.install_as_torch_fsdp(): these modules imported torch's FSDP2 names "
+            f"before it and keep torch's: {'; '.join(holders)}. Call "
+            "install_as_torch_fsdp() before importing them.",
+            stacklevel=3,
+        )
