@@ -15,20 +15,22 @@ and the optimizer's states); ``--param-dtype`` is the all-gathered and
 computed dtype and ``--reduce-dtype`` the gradients' on the wire
 (``MixedPrecisionPolicy``).
 
-Memory per rank at the peak, the largest of three moments (no sharded
-gradient exists before the first reduce-scatter):
+Memory per rank at the peak, the largest of four moments of a step:
 
     fp32 sharded params + optimizer states   (this rank's shards, or pieces over replicas)
   + kept chunks                               (shard_optimizer_over_replicas, param dtype)
-  + root's unsharded params and grads         (param dtype, kept from forward)
-  + in the head's backward: the last block's unsharded params (prefetched)
-    and the step's peak activations;
-    in the last block's backward: 2 blocks' unsharded params (it and the next,
-    prefetched), its unsharded grads (param dtype) and the activations at its
-    peak;
-    in another block's backward: the same with that block's activations, and
-    the reduce-scatter input (reduce dtype) of the block before, in flight
+  + root's unsharded params                   (param dtype, kept from forward to backward)
+  + at the loss (the meta step's peak activations, no gradient yet);
+    or in the last block's backward (the first to run): the root's unsharded
+    grads, 2 blocks' unsharded params (it and the next, prefetched) and its
+    grads (param dtype), the activations at its backward's peak;
+    or in the next block's backward: the same, its activations, and the
+    reduce-scatter input (reduce dtype) of the block before, in flight;
+    or in the first block's backward: the same, its activations, and the
+    fp32 sharded grads of the blocks reduced before.
 
+Gradients are counted whole for the moment (an upper bound: some are made
+later in it).
 The meta step computes in the param dtype; attention keeps what the flash
 kernel keeps (output and log-sum-exp, not the matrix); with
 ``--activation-checkpointing`` each block is checkpointed, so only the blocks'
@@ -345,73 +347,76 @@ def price(colls: list[Collective], setup: Setup, links: Links) -> list[Priced]:
 
 @dataclass(frozen=True)
 class Memory:
-    """Bytes per rank at the step's peak (see the module docstring)."""
+    """Bytes per rank at one moment of the step (see the module docstring)."""
 
-    moment: str  # when: in the head's backward, or in a block's
+    moment: str
     sharded_state: int  # fp32 params + optimizer states
     kept_chunks: int  # shard_optimizer_over_replicas
-    root_unsharded: int  # root's params and grads
-    blocks_unsharded: int  # 1 or 2 blocks' params
+    root_params: int  # unsharded
+    root_grads: int  # unsharded
+    blocks_unsharded: int  # 2 blocks' params, in a block's backward
     block_grads: int  # the block's unsharded grads
     reduce_scatter_input: int  # the block before's, in flight
+    sharded_grads: int  # fp32, of the blocks reduced before
     activations: int  # and temporaries
 
     @property
     def peak(self) -> int:
-        return (
-            self.sharded_state
-            + self.kept_chunks
-            + self.root_unsharded
-            + self.blocks_unsharded
-            + self.block_grads
-            + self.reduce_scatter_input
-            + self.activations
-        )
+        return sum(v for k, v in vars(self).items() if k != "moment")
 
 
 class Activations(NamedTuple):
-    """Activations and temporaries of the meta step, bytes."""
+    """Activations and temporaries of the meta step at its moments, bytes."""
 
-    peak: int  # the step's
+    peak: int  # the step's (at the loss, for the models here)
     last_block: int  # at the peak of the last block's backward (the first to run)
-    other_blocks: int  # the largest at another block's backward peak
+    next_block: int  # the largest at another block's backward peak
+    first_block: int  # at the peak of the first block's backward
 
 
 def memory(groups: list[GroupSizes], setup: Setup, activations: Activations) -> Memory:
-    """The largest of three candidate peaks (see the module docstring)."""
+    """The largest of the step's four candidate peaks (see the module docstring)."""
     param = DTYPES[setup.param_dtype].itemsize
     reduce = DTYPES[setup.reduce_dtype].itemsize
     root = next(g for g in groups if g.root)
     blocks = [g for g in groups if not g.root]
     block = max(blocks, key=lambda g: g.numel, default=GroupSizes(False, 0, 0, 0, 0))
-    gathered = setup.shards * block.shard_slots * param  # a block's all-gather output, padded
-    kept = setup.replicas * sum(g.replica_slots for g in groups)
-    head = Memory(
-        moment="the head's backward",
+    gathered = setup.shards * block.shard_slots  # a block's all-gather output, padded
+    at_loss = Memory(
+        moment="the loss",
         sharded_state=(1 + setup.optimizer_states)
         * sum(g.local_numel for g in groups)
         * MASTER_ITEMSIZE,
-        kept_chunks=kept * param,
-        root_unsharded=setup.shards * root.shard_slots * param + root.numel * param,
-        blocks_unsharded=gathered,  # the last block, prefetched
+        kept_chunks=setup.replicas * sum(g.replica_slots for g in groups) * param,
+        root_params=setup.shards * root.shard_slots * param,
+        root_grads=0,
+        blocks_unsharded=0,
         block_grads=0,
         reduce_scatter_input=0,
+        sharded_grads=0,
         activations=activations.peak,
     )
     last = dataclasses.replace(
-        head,
+        at_loss,
         moment="the last block's backward",
-        blocks_unsharded=2 * gathered,  # the block and the next, prefetched
+        root_grads=root.numel * param,
+        blocks_unsharded=2 * gathered * param,
         block_grads=block.numel * param,
         activations=activations.last_block,
     )
-    other = dataclasses.replace(
+    following = dataclasses.replace(
         last,
-        moment="a block's backward",
-        reduce_scatter_input=setup.shards * block.shard_slots * reduce,
-        activations=activations.other_blocks,
+        moment="the next block's backward",
+        reduce_scatter_input=gathered * reduce,
+        activations=activations.next_block,
     )
-    return max(head, last, other, key=lambda m: m.peak)
+    first = dataclasses.replace(
+        following,
+        moment="the first block's backward",
+        sharded_grads=max(len(blocks) - 2, 0) * block.local_numel * MASTER_ITEMSIZE,
+        activations=activations.first_block,
+    )
+    return max(at_loss, last, following, first, key=lambda m: m.peak)
 
 
 def checkpoint_blocks(model: nn.Module) -> None:
@@ -511,7 +516,10 @@ def _measure_activations(
         for block in model.layers
     ]
     return Activations(
-        held(tracker.get_tracker_snapshot("peak")), blocks[-1], max(blocks[:-1], default=0)
+        held(tracker.get_tracker_snapshot("peak")),
+        blocks[-1],
+        max(blocks[:-1], default=0),
+        blocks[0] if len(blocks) > 1 else 0,
     )
 
 
@@ -685,8 +693,9 @@ def assumptions(setup: Setup, links: Links, peak_tflops: float | None = None) ->
         "blocks in forward and again in backward; every gradient reduce-scattered; HSDP: "
         "an all-reduce across replicas, or with the option a reduce-scatter across "
         "replicas and an all-gather of the chunks after the optimizer step",
-        "memory at the start of backward: sharded state, kept chunks, the root's unsharded "
-        "params and grads, one block's unsharded params, activations "
+        "memory: the largest of four moments (the loss; the last, the next and the first "
+        "block's backward) of sharded state, unsharded params and grads, reduce-scatter "
+        "input in flight and activations "
         + (
             "(blocks checkpointed: their inputs, one block recomputed)"
             if setup.activation_checkpointing
@@ -740,15 +749,14 @@ def print_estimate(e: Estimate, name: str, links: Links, peak_tflops: float) -> 
     rows = [
         (f"fp32 sharded params + {e.setup.optimizer_states} optimizer states", m.sharded_state),
         (f"kept chunks ({dtype}, optimizer over replicas)", m.kept_chunks),
-        (f"root's unsharded params + grads ({dtype})", m.root_unsharded),
-        (
-            f"{'2 blocks' if m.block_grads else '1 block'}'s unsharded params ({dtype})",
-            m.blocks_unsharded,
-        ),
+        (f"root's unsharded params ({dtype})", m.root_params),
+        (f"root's unsharded grads ({dtype})", m.root_grads),
+        (f"2 blocks' unsharded params ({dtype})", m.blocks_unsharded),
         (f"1 block's unsharded grads ({dtype})", m.block_grads),
         (f"1 reduce-scatter input in flight ({e.setup.reduce_dtype})", m.reduce_scatter_input),
+        ("fp32 sharded grads of the blocks reduced", m.sharded_grads),
         ("activations and temporaries", m.activations),
-        (f"peak, in {m.moment}", m.peak),
+        (f"peak, at {m.moment}", m.peak),
     ]
     for label, value in rows:
         if value or label.startswith(("fp32", "activations", "peak")):

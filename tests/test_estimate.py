@@ -272,7 +272,7 @@ def test_bf16_and_activation_checkpointing_lower_the_peak() -> None:
         assert peaks[dtype, True].sharded_state == peaks[dtype, False].sharded_state
     assert peaks["bf16", False].peak < peaks["fp32", False].peak
     assert peaks["bf16", False].sharded_state == peaks["fp32", False].sharded_state  # fp32 master
-    assert peaks["bf16", False].root_unsharded * 2 == peaks["fp32", False].root_unsharded
+    assert peaks["bf16", False].root_params * 2 == peaks["fp32", False].root_params
 
 
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "ac"])
