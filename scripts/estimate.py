@@ -726,6 +726,10 @@ def _console():
     return console if console.is_terminal else Console(width=120)
 
 
+def _flops(n: float) -> str:
+    return f"{n / 1e12:.1f} TFLOP" if n >= 1e12 else f"{n / 1e9:.2f} GFLOP"
+
+
 def _seconds(s: float) -> str:
     return f"{s:.2f} s" if s >= 1 else f"{s * 1e3:.1f} ms"
 
@@ -784,7 +788,7 @@ def print_estimate(e: Estimate, name: str, links: Links, peak_tflops: float) -> 
     compute = e.flops_per_step / (peak_tflops * 1e12)
     print(
         f"communication {_seconds(total)} per step ({_seconds(between)} of it between nodes); "
-        f"compute {e.flops_per_step / 1e12:.1f} TFLOP per rank and step: {_seconds(compute)} "
+        f"compute {_flops(e.flops_per_step)} per rank and step: {_seconds(compute)} "
         f"at {peak_tflops:g} TFLOPS"
     )
     return priced

@@ -89,9 +89,8 @@ def _measure(rank: int, world_size: int, out: str, param_dtype: str, checkpointi
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("world_size", [2, 4])
-@pytest.mark.parametrize(
-    ("param_dtype", "checkpointing"), [("fp32", False), ("bf16", True)], ids=["fp32", "bf16-ac"]
-)
+@pytest.mark.parametrize("param_dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "ac"])
 def test_estimate_matches_measured(
     world_size: int, param_dtype: str, checkpointing: bool, tmp_path: Path
 ) -> None:
