@@ -57,482 +57,64 @@ on exposed communication, a lower bound on its total time.
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import functools
 import json
 import sys
-import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import NamedTuple
-from unittest.mock import patch
-
-import torch
-import torch.distributed as dist
-import torch.nn as nn
-import torch.nn.functional as F
-from torch.distributed.device_mesh import DeviceMesh
-from torch.testing._internal.distributed._tensor.common_dtensor import ModelArgs, Transformer
-from torch.utils.checkpoint import checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from llama import Llama, LlamaConfig  # noqa: E402
-
-import fsdp2  # noqa: E402
-from fsdp2.common import chunk_rows  # noqa: E402
-from fsdp2.state import get_fsdp_state  # noqa: E402
-from fsdp2.wire import rows_wire_bytes  # noqa: E402
-
-ModelConfig = LlamaConfig | ModelArgs  # scripts/llama.py's Llama, or torch's test Transformer
-
-PRESETS: dict[str, ModelConfig] = {
-    "demo": LlamaConfig(),
-    "small": LlamaConfig(vocab_size=256, dim=64, n_layers=4, n_heads=4, max_seq_len=64),
-    # scripts/bench.py's default model: torch's test Transformer, 128 x 4 tokens per rank.
-    "bench": ModelArgs(
-        n_layers=6,
-        vocab_size=2048,
-        max_seq_len=128,
-        dim=256,
-        n_heads=8,
-        dropout_p=0.0,
-        weight_tying=False,
-    ),
-    # scripts/gpu_check.py's timing model (0.53 B), batch 8 x 512 on one GPU.
-    "gpu-check": LlamaConfig(vocab_size=32000, dim=2048, n_layers=8, n_heads=16, max_seq_len=512),
-    "tinyllama-1.1b": LlamaConfig(
-        vocab_size=32000,
-        dim=2048,
-        n_layers=22,
-        n_heads=32,
-        n_kv_heads=4,
-        ffn_dim=5632,
-        max_seq_len=2048,
-    ),
-    "llama2-7b": LlamaConfig(
-        vocab_size=32000, dim=4096, n_layers=32, n_heads=32, ffn_dim=11008, max_seq_len=4096
-    ),
-    "llama3-8b": LlamaConfig(
-        vocab_size=128256,
-        dim=4096,
-        n_layers=32,
-        n_heads=32,
-        n_kv_heads=8,
-        ffn_dim=14336,
-        max_seq_len=8192,
-        rope_theta=500000.0,
-    ),
-    "llama3-70b": LlamaConfig(
-        vocab_size=128256,
-        dim=8192,
-        n_layers=80,
-        n_heads=64,
-        n_kv_heads=8,
-        ffn_dim=28672,
-        max_seq_len=8192,
-        rope_theta=500000.0,
-    ),
-    "llama3-405b": LlamaConfig(
-        vocab_size=128256,
-        dim=16384,
-        n_layers=126,
-        n_heads=128,
-        n_kv_heads=8,
-        ffn_dim=53248,
-        max_seq_len=8192,
-        rope_theta=500000.0,
-    ),
-}
-
-# Published parameter counts (the model cards), checked in tests/test_estimate.py.
-PUBLISHED_PARAMS = {
-    "tinyllama-1.1b": 1.1e9,
-    "llama2-7b": 6.74e9,
-    "llama3-8b": 8.03e9,
-    "llama3-70b": 70.6e9,
-    "llama3-405b": 405.9e9,
-}
-
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-MASTER_ITEMSIZE = 4  # fp32 sharded parameters and optimizer states
-
-
-# -- what is trained, and on what -------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Setup:
-    """The mesh, the dtypes and the optimizer of a run."""
-
-    world_size: int
-    replicas: int = 1  # HSDP: mesh (replicas, world_size // replicas)
-    shard_optimizer_over_replicas: bool = False
-    param_dtype: str = "bf16"  # all-gathered and computed
-    reduce_dtype: str = "fp32"  # gradients on the wire
-    optimizer_states: int = 2  # fp32 per parameter: AdamW's exp_avg and exp_avg_sq
-    activation_checkpointing: bool = False
-
-    @property
-    def shards(self) -> int:
-        return self.world_size // self.replicas
-
-    def ranks(self, axis: str) -> range:
-        """Rank 0's group on ``axis``: the shard axis is the mesh's inner one."""
-        return range(self.shards) if axis == "shard" else range(0, self.world_size, self.shards)
-
-
-@dataclass(frozen=True)
-class Links:
-    """Bandwidth per GPU and direction, GB/s (1e9 bytes per second)."""
-
-    intra_node_gbps: float = 450.0  # NVLink-class: H100 SXM's NVLink 4, 900 GB/s both ways
-    inter_node_gbps: float = 50.0  # IB-class: one 400 Gb/s NIC (InfiniBand NDR) per GPU
-    gpus_per_node: int = 8
-
-    def of(self, ranks: range) -> tuple[str, float]:
-        """The link a ring over ``ranks`` is bound by, and its GB/s."""
-        if len({rank // self.gpus_per_node for rank in ranks}) == 1:
-            return "intra-node", self.intra_node_gbps
-        return "inter-node", self.inter_node_gbps
-
-
-# -- sizes: fsdp2's own, over a fake process group --------------------------------------
-
-
-@dataclass(frozen=True)
-class GroupSizes:
-    """One param group on rank 0, in elements."""
-
-    root: bool
-    numel: int  # unsharded
-    local_numel: int  # this rank's sharded parameters (its pieces, over replicas)
-    shard_slots: int  # this rank's slots in the shard group's buffers (padded)
-    replica_slots: int  # over replicas: its slots in the buffers across replicas (padded)
-
-
-def build_model(config: ModelConfig) -> nn.Module:
-    with torch.device("meta"):
-        return Llama(config) if isinstance(config, LlamaConfig) else Transformer(config)
-
-
-def param_count(config: ModelConfig) -> int:
-    return sum(p.numel() for p in build_model(config).parameters())
-
-
-def shard_sizes(config: ModelConfig, setup: Setup) -> list[GroupSizes]:
-    """Shards a meta-device model with ``fully_shard`` (each block, then the
-    root) over a fake world of ``setup.world_size`` ranks, this process rank 0,
-    and reads each group's sizes off fsdp2's layouts."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=setup.world_size)
-    try:
-        ranks = torch.arange(setup.world_size)
-        if setup.replicas > 1:
-            mesh = DeviceMesh(
-                "cpu", ranks.view(setup.replicas, -1), mesh_dim_names=("replicate", "shard")
-            )
-        else:
-            mesh = DeviceMesh("cpu", ranks)
-        kwargs: dict[str, object] = {"mesh": mesh}
-        if setup.shard_optimizer_over_replicas:
-            kwargs["shard_optimizer_over_replicas"] = True
-        model = build_model(config)
-        for block in model.layers:
-            fsdp2.fully_shard(block, **kwargs)
-        fsdp2.fully_shard(model, **kwargs)
-        return [
-            _group_sizes(group.fsdp_params, root=module is model)
-            for module in model.modules()
-            if (state := get_fsdp_state(module)) is not None
-            for group in state.param_groups
-        ]
-    finally:
-        dist.destroy_process_group()
-
-
-def _group_sizes(fsdp_params, root: bool) -> GroupSizes:
-    layouts = [p.layout for p in fsdp_params]
-    return GroupSizes(
-        root=root,
-        numel=sum(lay.unsharded_size.numel() for lay in layouts),
-        local_numel=sum(lay.local_numel for lay in layouts),
-        shard_slots=sum(lay.slot_numel for lay in layouts),
-        replica_slots=sum(lay.piece.slot_numel for lay in layouts if lay.piece is not None),
-    )
-
-
-# -- communication ----------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Collective:
-    """One kind of collective, summed over a step's groups, on rank 0."""
-
-    name: str  # comm_stats's: all_gather, reduce_scatter, all_reduce, replica_*
-    axis: str  # "shard" or "replicate"
-    ranks: int
-    calls: int  # per step
-    buffer_bytes: int  # per step: whole buffers, padded (comm_stats's bytes)
-
-    @property
-    def sent_bytes(self) -> int:
-        """What this rank sends (and receives) of the buffers on a ring."""
-        hops = 2 * (self.ranks - 1) if self.name == "all_reduce" else self.ranks - 1
-        return self.buffer_bytes * hops // self.ranks
-
-    def seconds(self, gbps: float) -> float:
-        return self.sent_bytes / (gbps * 1e9)
-
-
-def collectives(groups: list[GroupSizes], setup: Setup) -> list[Collective]:
-    """The collectives of one step (see the module docstring); none over one rank."""
-    param = DTYPES[setup.param_dtype].itemsize
-    reduce = DTYPES[setup.reduce_dtype].itemsize
-    shards, replicas = setup.shards, setup.replicas
-    slots = sum(g.shard_slots for g in groups)
-    gathered = sum(g.shard_slots * (1 if g.root else 2) for g in groups)
-    blocks = sum(not g.root for g in groups)
-    out = []
-    if shards > 1:
-        out.append(
-            Collective(
-                "all_gather", "shard", shards, len(groups) + blocks, shards * gathered * param
-            )
-        )
-        out.append(
-            Collective("reduce_scatter", "shard", shards, len(groups), shards * slots * reduce)
-        )
-    if replicas > 1 and not setup.shard_optimizer_over_replicas:
-        out.append(Collective("all_reduce", "replicate", replicas, len(groups), slots * reduce))
-    elif replicas > 1:
-        pieces = sum(g.replica_slots for g in groups)
-        out.append(
-            Collective(
-                "replica_reduce_scatter",
-                "replicate",
-                replicas,
-                len(groups),
-                replicas * pieces * reduce,
-            )
-        )
-        out.append(
-            Collective(
-                "replica_all_gather", "replicate", replicas, len(groups), replicas * pieces * param
-            )
-        )
-    return out
-
-
-@dataclass(frozen=True)
-class Priced:
-    collective: Collective
-    link: str  # "intra-node" or "inter-node"
-    gbps: float
-    seconds: float
-
-
-def price(colls: list[Collective], setup: Setup, links: Links) -> list[Priced]:
-    """Each collective at the bandwidth of the link its group crosses."""
-    priced = []
-    for c in colls:
-        link, gbps = links.of(setup.ranks(c.axis))
-        priced.append(Priced(c, link, gbps, c.seconds(gbps)))
-    return priced
-
-
-# -- memory -----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Memory:
-    """Bytes per rank at one moment of the step (see the module docstring)."""
-
-    moment: str
-    sharded_state: int  # fp32 params + optimizer states
-    kept_chunks: int  # shard_optimizer_over_replicas
-    root_params: int  # unsharded
-    root_grads: int  # unsharded
-    blocks_unsharded: int  # 2 blocks' params, in a block's backward
-    block_grads: int  # the block's unsharded grads
-    reduce_scatter_input: int  # the block before's, in flight
-    sharded_grads: int  # fp32, of the blocks reduced before
-    activations: int  # and temporaries
-
-    @property
-    def peak(self) -> int:
-        return sum(v for k, v in vars(self).items() if k != "moment")
-
-
-class Activations(NamedTuple):
-    """Activations and temporaries of the meta step at its moments, bytes."""
-
-    peak: int  # the step's (at the loss, for the models here)
-    last_block: int  # at the peak of the last block's backward (the first to run)
-    next_block: int  # the largest at another block's backward peak
-    first_block: int  # at the peak of the first block's backward
-
-
-def memory(groups: list[GroupSizes], setup: Setup, activations: Activations) -> Memory:
-    """The largest of the step's four candidate peaks (see the module docstring)."""
-    param = DTYPES[setup.param_dtype].itemsize
-    reduce = DTYPES[setup.reduce_dtype].itemsize
-    root = next(g for g in groups if g.root)
-    blocks = [g for g in groups if not g.root]
-    block = max(blocks, key=lambda g: g.numel, default=GroupSizes(False, 0, 0, 0, 0))
-    gathered = setup.shards * block.shard_slots  # a block's all-gather output, padded
-    at_loss = Memory(
-        moment="the loss",
-        sharded_state=(1 + setup.optimizer_states)
-        * sum(g.local_numel for g in groups)
-        * MASTER_ITEMSIZE,
-        kept_chunks=setup.replicas * sum(g.replica_slots for g in groups) * param,
-        root_params=setup.shards * root.shard_slots * param,
-        root_grads=0,
-        blocks_unsharded=0,
-        block_grads=0,
-        reduce_scatter_input=0,
-        sharded_grads=0,
-        activations=activations.peak,
-    )
-    last = dataclasses.replace(
-        at_loss,
-        moment="the last block's backward",
-        root_grads=root.numel * param,
-        blocks_unsharded=2 * gathered * param,
-        block_grads=block.numel * param,
-        activations=activations.last_block,
-    )
-    following = dataclasses.replace(
-        last,
-        moment="the next block's backward",
-        reduce_scatter_input=gathered * reduce,
-        activations=activations.next_block,
-    )
-    first = dataclasses.replace(
-        following,
-        moment="the first block's backward",
-        sharded_grads=max(len(blocks) - 2, 0) * block.local_numel * MASTER_ITEMSIZE,
-        activations=activations.first_block,
-    )
-    return max(at_loss, last, following, first, key=lambda m: m.peak)
-
-
-def checkpoint_blocks(model: nn.Module) -> None:
-    """Activation checkpointing of each block of ``model.layers``: forward keeps
-    the block's input, backward recomputes the block. Wraps ``forward`` (not the
-    call), so hooks on the block (fsdp2's) run once, as under checkpoint_wrapper."""
-    for block in model.layers:
-        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
-
-
-def _flash_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None):
-    """What attention keeps for backward on a real device: the output and the
-    log-sum-exp, not the attention matrix. On the meta device
-    ``scaled_dot_product_attention`` falls back to the math path, which keeps
-    the matrix; the flash kernel's op has a meta implementation."""
-    if attn_mask is not None:
-        raise ValueError("the estimate models causal attention without a mask")
-    out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        query, key, value, dropout_p, is_causal, scale=scale
-    )
-    return out
-
-
-def activation_bytes(
-    config: ModelConfig,
-    batch: int,
-    seq: int,
-    dtype: torch.dtype = torch.float32,
-    checkpointing: bool = False,
-) -> Activations:
-    """Activations and temporaries of a training step of the unsharded model
-    computing in ``dtype``, at the step's peak and at the peaks of its blocks'
-    backward.
-
-    The blocks are alike, so each of these grows by the same bytes per block
-    (what one block keeps for backward): measured with 2 and 3 blocks, they
-    are extrapolated to ``n_layers`` (tests/test_estimate.py checks that
-    against a measurement at the full depth), which keeps a 126-layer model
-    as quick as a small one.
-    """
-    if config.n_layers <= 3:
-        return _measure_activations(config, batch, seq, dtype, checkpointing)
-    two, three = (
-        _measure_activations(
-            dataclasses.replace(config, n_layers=n), batch, seq, dtype, checkpointing
-        )
-        for n in (2, 3)
-    )
-    extra = config.n_layers - 3
-    return Activations(*(c + extra * (c - b) for b, c in zip(two, three, strict=True)))
-
-
-def _measure_activations(
-    config: ModelConfig, batch: int, seq: int, dtype: torch.dtype, checkpointing: bool
-) -> Activations:
-    """One forward + backward of the unsharded model on the meta device under
-    MemTracker, with the loss in fp32 as training loops compute it; the
-    Activation, Temp and Buffer bytes it counts.
-
-    Gradients are dropped as soon as they are accumulated and no optimizer
-    runs, so nothing but the (constant) parameters competes with activations
-    for the peak: for a large model the step's overall peak would otherwise
-    be the optimizer's, when activations are gone.
-    """
-    from torch.distributed._tools.mem_tracker import MemTracker, _ModState
-
-    model = build_model(config).to(dtype)
-    if checkpointing:
-        checkpoint_blocks(model)
-    for param in model.parameters():
-        param.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
-    tokens = torch.zeros(batch, seq + 1, dtype=torch.long, device="meta")
-    tracker = MemTracker()
-    tracker.track_external(model)
-    with (
-        warnings.catch_warnings(),
-        tracker,
-        patch.object(F, "scaled_dot_product_attention", _flash_attention),
-    ):
-        # MemTracker warns of the None that a parameter's grad is, once dropped.
-        warnings.filterwarnings("ignore", "Expected a tensor or a traceable wrapper-subclass")
-        logits = model(tokens[:, :-1])
-        loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
-        loss.backward()
-    kinds = ("Activation", "Temp", "Buffer")
-
-    def held(snapshot: dict) -> int:
-        return sum(
-            nbytes
-            for per_device in snapshot.values()
-            for kind, nbytes in per_device.items()
-            if getattr(kind, "value", kind) in kinds
-        )
-
-    blocks = [
-        max(held(snap) for snap in tracker.memory_tracking[block].snapshots[_ModState.PEAK_BW])
-        for block in model.layers
-    ]
-    return Activations(
-        held(tracker.get_tracker_snapshot("peak")),
-        blocks[-1],
-        max(blocks[:-1], default=0),
-        blocks[0] if len(blocks) > 1 else 0,
-    )
-
-
-# -- compute ----------------------------------------------------------------------------
-
-
-def flops_per_token(config: ModelConfig, seq: int) -> int:
-    """Model FLOPs of a training step per token, torchtitan's convention: 6 per
-    weight of a matmul (forward 2, backward 4) plus attention's 12 * layers *
-    dim * seq; a recomputation under activation checkpointing is not counted."""
-    model = build_model(config)
-    matmul = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
-    return 6 * matmul + 12 * config.n_layers * config.dim * seq
+from estimator.comm import (  # noqa: E402
+    Collective,
+    Links,
+    Priced,
+    collectives,
+    compression_table,
+    group_shapes,
+    price,
+    wire_bytes,
+)
+from estimator.memory import (  # noqa: E402
+    Memory,
+    activation_bytes,
+    checkpoint_blocks,
+    flops_per_token,
+    memory,
+)
+from estimator.sizes import (  # noqa: E402
+    DTYPES,
+    PRESETS,
+    PUBLISHED_PARAMS,
+    ModelConfig,
+    Setup,
+    build_model,
+    param_count,
+    shard_sizes,
+)
+
+__all__ = [  # what tests and other scripts use from here
+    "DTYPES",
+    "PRESETS",
+    "PUBLISHED_PARAMS",
+    "Collective",
+    "Estimate",
+    "Links",
+    "Memory",
+    "Priced",
+    "Setup",
+    "activation_bytes",
+    "build_model",
+    "checkpoint_blocks",
+    "collectives",
+    "compression_table",
+    "estimate",
+    "group_shapes",
+    "main",
+    "param_count",
+    "price",
+    "shard_sizes",
+    "wire_bytes",
+]
 
 
 # -- the estimate -----------------------------------------------------------------------
@@ -578,100 +160,6 @@ def estimate(config: ModelConfig, setup: Setup, batch: int, seq: int) -> Estimat
         collectives=tuple(collectives(groups, setup)),
         flops_per_step=flops_per_token(config, seq) * batch * seq,
     )
-
-
-# -- compression (1D FSDP, from the shapes) ---------------------------------------------
-
-# CompressionPolicy settings compared: (weights, gradients).
-COMPRESSION_SETTINGS = {
-    "off": (None, None),
-    "weights int8": ("int8", None),
-    "gradients bf16": (None, "bf16"),
-    "gradients int8": (None, "int8"),
-    "both int8": ("int8", "int8"),
-}
-
-
-def group_shapes(model: nn.Module) -> list[list[torch.Size]]:
-    """The parameter shapes of each group of the sharding above (one group per
-    block of ``model.layers``, then the root with the rest), root first."""
-    block_params = {id(p) for block in model.layers for p in block.parameters()}
-    root = [p.shape for p in model.parameters() if id(p) not in block_params]
-    return [root, *([p.shape for p in block.parameters()] for block in model.layers)]
-
-
-def _slot_numels(shapes: list[torch.Size], world_size: int) -> list[int]:
-    """Each parameter's padded slot (``ShardLayout.slot_numel``, dim 0)."""
-    return [chunk_rows(s[0], world_size) * (s.numel() // max(s[0], 1)) for s in shapes]
-
-
-def wire_bytes(
-    groups: list[list[torch.Size]],
-    world_size: int,
-    weights: str | None = None,
-    gradients: str | None = None,
-    block_size: int = 256,
-    itemsize: int = 4,
-    reduce_itemsize: int | None = None,
-) -> tuple[int, int]:
-    """Per step and rank, the buffers ``comm_stats`` counts (whole): the
-    all-gathers (the root once, the other groups in forward and in backward)
-    in ``itemsize`` (the param dtype's) and the gradient reductions in
-    ``reduce_itemsize`` (the reduce dtype's; default ``itemsize``), or as the
-    compression setting sends them."""
-    reduce_itemsize = itemsize if reduce_itemsize is None else reduce_itemsize
-    all_gather = reduce = 0
-    for i, shapes in enumerate(groups):
-        slots = _slot_numels(shapes, world_size)
-        if not sum(slots):
-            continue
-        if weights == "int8":
-            gathered = world_size * rows_wire_bytes(slots, block_size)
-        else:
-            gathered = world_size * sum(slots) * itemsize
-        all_gather += gathered * (1 if i == 0 else 2)
-        if gradients == "bf16":
-            reduce += world_size * sum(slots) * 2
-        elif gradients == "int8":
-            reduce += world_size * rows_wire_bytes(slots, block_size)
-        else:
-            reduce += world_size * sum(slots) * reduce_itemsize
-    return all_gather, reduce
-
-
-def compression_table(
-    config: ModelConfig,
-    world_sizes: list[int],
-    links: Links,
-    param_dtype: str = "bf16",
-    reduce_dtype: str = "fp32",
-) -> list[dict[str, object]]:
-    """Per world size (1D FSDP) and setting: buffers and seconds per step."""
-    groups = group_shapes(build_model(config))
-    rows = []
-    for world_size in world_sizes:
-        link, gbps = links.of(range(world_size))
-        for name, (weights, gradients) in COMPRESSION_SETTINGS.items():
-            ag, rs = wire_bytes(
-                groups,
-                world_size,
-                weights,
-                gradients,
-                itemsize=DTYPES[param_dtype].itemsize,
-                reduce_itemsize=DTYPES[reduce_dtype].itemsize,
-            )
-            sent = (ag + rs) * (world_size - 1) / world_size
-            rows.append(
-                {
-                    "world_size": world_size,
-                    "setting": name,
-                    "all_gather_bytes": ag,
-                    "reduce_bytes": rs,
-                    "link": link,
-                    "comm_s": sent / (gbps * 1e9),
-                }
-            )
-    return rows
 
 
 # -- output -----------------------------------------------------------------------------

@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 import bench  # noqa: E402
 import estimate  # noqa: E402
 import llama  # noqa: E402
+from estimator.memory import measure_activations  # noqa: E402
 
 import fsdp2  # noqa: E402
 
@@ -282,7 +283,7 @@ def test_activations_extrapolated_over_blocks_are_the_measured(checkpointing: bo
     for dtype in (torch.float32, torch.bfloat16):
         assert estimate.activation_bytes(
             config, BATCH, SEQ, dtype, checkpointing
-        ) == estimate._measure_activations(config, BATCH, SEQ, dtype, checkpointing)
+        ) == measure_activations(config, BATCH, SEQ, dtype, checkpointing)
 
 
 def test_output_says_what_it_assumed(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
