@@ -251,7 +251,7 @@ def print_estimate(e: Estimate, name: str, links: Links, peak_tflops: float) -> 
         (f"peak, at {m.moment}", m.peak),
     ]
     for label, value in rows:
-        if value or label.startswith(("fp32", "activations", "peak")):
+        if value or label.startswith(("fp32 sharded params", "activations", "peak")):
             table.add_row(label, f"{value / scale:.2f}")
     console.print(table)
     priced = price(list(e.collectives), e.setup, links)
