@@ -1,44 +1,57 @@
-"""Estimate per-rank memory and communication of fsdp2 at a scale this machine can't run.
+"""Estimate fsdp2's per-rank memory, communication and its time at a scale this
+machine can't run.
 
-One process, no real memory: the model is built on the meta device and
-sharded by ``fully_shard`` over a *fake* process group of the requested world
-size, so the shard sizes, padding and all-gather volumes are fsdp2's own. The
-activations come from one training step of the unsharded model on the meta
-device under torch's ``MemTracker`` (meta tensors have sizes, not storage).
+    python scripts/estimate.py --model llama3-8b --world-size 8 --batch 2 --seq 8192
+    python scripts/estimate.py --model llama3-70b --world-size 512 --replicas 64 \\
+        --shard-optimizer-over-replicas --activation-checkpointing
 
-    python scripts/estimate.py --model llama-7b --world-size 1024 --batch 1 --seq 4096
-    python scripts/estimate.py --model demo --world-size 2 --json out.json
-    python scripts/estimate.py --model llama-70b --world-size 512 --replicas 64 \
-        --shard-optimizer-over-replicas
+The model of a step (AdamW, ``zero_grad(set_to_none=True)``, one group per block
+and the root, ``reshard_after_forward`` left to its default):
 
-Per rank, at the peak of a training step (AdamW, ``zero_grad(set_to_none=True)``,
-one group per block + root): the start of backward, when every activation is
-still alive, the head's gradients exist and no sharded gradient does yet:
+Sizes are fsdp2's own: the model is built on the meta device and sharded by
+``fully_shard`` over a fake process group of the requested size, as rank 0
+(the largest shards). Parameters are kept in fp32 (the sharded master copy
+and the optimizer's states); ``--param-dtype`` is the all-gathered and
+computed dtype and ``--reduce-dtype`` the gradients' on the wire
+(``MixedPrecisionPolicy``).
 
-    sharded params + 2 AdamW states                (this rank's shards, 3 copies)
-  + root's unsharded params and grads               (kept from forward to backward)
-  + 1 block's unsharded params                      (the last block, about to run backward)
-  + activations and temporaries                     (the meta step's, at its peak)
+Memory per rank at the peak, the largest of four moments of a step:
 
-Attention is modelled by the flash kernel (output and log-sum-exp kept, not
-the attention matrix), as on real devices. Accuracy against MemTracker on
-real gloo runs (tests/test_estimate.py, a 0.4 M-parameter model at world
-sizes 2 and 4): communication volume exact, peak memory 4% high.
+    fp32 sharded params + optimizer states   (this rank's shards, or pieces over replicas)
+  + kept chunks                               (shard_optimizer_over_replicas, param dtype)
+  + root's unsharded params                   (param dtype, kept from forward to backward)
+  + at the loss (the meta step's peak activations, no gradient yet);
+    or in the last block's backward (the first to run): the root's unsharded
+    grads, 2 blocks' unsharded params (it and the next, prefetched) and its
+    grads (param dtype), the activations at its backward's peak;
+    or in the next block's backward: the same, its activations, and the
+    reduce-scatter input (reduce dtype) of the block before, in flight;
+    or in the first block's backward: the same, its activations, and the
+    fp32 sharded grads of the blocks reduced before.
 
-Communication per step: every group all-gathered in forward, the blocks again
-in backward, every gradient reduce-scattered, padding included.
+Gradients are counted whole for the moment (an upper bound: some are made
+later in it).
+The meta step computes in the param dtype; attention keeps what the flash
+kernel keeps (output and log-sum-exp, not the matrix); with
+``--activation-checkpointing`` each block is checkpointed, so only the blocks'
+inputs stay and one block's activations are recomputed at a time.
 
-With ``--link-gbps`` (the bandwidth each rank has to the others, e.g. 25 GB/s
-between nodes) it also prints the per-step communication time of each
-``CompressionPolicy`` setting, and ``--compression-grid`` prints that time for
-llama-7b and llama-70b at 64 to 1024 ranks (no memory estimate):
+Communication per step, the collectives fsdp2 issues under comm_stats's names:
+in the shard group the root all-gathered once, every block in forward and
+again in backward, every gradient reduce-scattered; across the replicas plain
+HSDP all-reduces each reduce-scatter's output, while
+``--shard-optimizer-over-replicas`` reduce-scatters it onto the pieces and,
+after the optimizer step, all-gathers the chunks from the pieces. Each buffer
+is counted whole and padded (what comm_stats counts) and as what a rank sends
+of it on a ring: (n-1)/n of it for an all-gather or a reduce-scatter, 2(n-1)/n
+for an all-reduce. Time is those bytes at the bandwidth of the link the group
+crosses: inside a node if all the group's ranks share one, else between nodes
+(the ring's slowest link); no latency, no overlap with compute: an upper bound
+on exposed communication, a lower bound on its total time.
 
-    python scripts/estimate.py --model llama-7b --world-size 256 --link-gbps 25
-    python scripts/estimate.py --compression-grid --link-gbps 25
-
-The time model is a bandwidth-bound ring (or all-to-all): each rank moves
-``(W - 1) / W`` of every buffer over its link, latency and overlap ignored:
-an upper bound on exposed time, a lower bound on total time.
+``--compression`` adds each ``CompressionPolicy`` setting's communication time
+(1D FSDP) and ``--compression-grid`` prints it for llama3-8b and llama3-70b at
+64 to 1024 ranks. docs/performance.md compares the estimate with measured runs.
 """
 
 from __future__ import annotations
@@ -48,255 +61,237 @@ import json
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from unittest.mock import patch
-
-import torch
-import torch.distributed as dist
-import torch.nn as nn
-import torch.nn.functional as F
-from torch.distributed.device_mesh import DeviceMesh
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from llama import Llama, LlamaConfig  # noqa: E402
+from estimator.comm import (  # noqa: E402
+    Collective,
+    Links,
+    Priced,
+    collectives,
+    compression_table,
+    group_shapes,
+    price,
+    wire_bytes,
+)
+from estimator.memory import (  # noqa: E402
+    Memory,
+    activation_bytes,
+    checkpoint_blocks,
+    flops_per_token,
+    memory,
+)
+from estimator.sizes import (  # noqa: E402
+    DTYPES,
+    PRESETS,
+    PUBLISHED_PARAMS,
+    ModelConfig,
+    Setup,
+    build_model,
+    param_count,
+    shard_sizes,
+)
 
-import fsdp2  # noqa: E402
-from fsdp2.common import chunk_rows  # noqa: E402
-from fsdp2.wire import rows_wire_bytes  # noqa: E402
+__all__ = [  # what tests and other scripts use from here
+    "DTYPES",
+    "PRESETS",
+    "PUBLISHED_PARAMS",
+    "Collective",
+    "Estimate",
+    "Links",
+    "Memory",
+    "Priced",
+    "Setup",
+    "activation_bytes",
+    "build_model",
+    "checkpoint_blocks",
+    "collectives",
+    "compression_table",
+    "estimate",
+    "group_shapes",
+    "main",
+    "param_count",
+    "price",
+    "shard_sizes",
+    "wire_bytes",
+]
 
-PRESETS = {
-    "demo": LlamaConfig(),
-    "small": LlamaConfig(vocab_size=256, dim=64, n_layers=4, n_heads=4, max_seq_len=64),
-    "llama-1b": LlamaConfig(
-        vocab_size=32000, dim=2048, n_layers=22, n_heads=32, ffn_dim=5632, max_seq_len=4096
-    ),
-    "llama-7b": LlamaConfig(
-        vocab_size=32000, dim=4096, n_layers=32, n_heads=32, ffn_dim=11008, max_seq_len=4096
-    ),
-    "llama-70b": LlamaConfig(
-        vocab_size=32000, dim=8192, n_layers=80, n_heads=64, ffn_dim=28672, max_seq_len=4096
-    ),
-}
+
+# -- the estimate -----------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class Estimate:
-    world_size: int
+    setup: Setup
     params: int  # elements, whole model
-    sharded_state_bytes: int  # this rank: params + 2 AdamW states
-    root_unsharded_bytes: int  # root params and grads
-    blocks_unsharded_bytes: int  # 1 block's params
-    activation_bytes: int  # and temporaries
-    peak_bytes: int
-    all_gather_bytes: int  # per step, whole buffers (what each rank receives, plus its own)
-    reduce_scatter_bytes: int  # per step, whole buffers (what each rank sends, plus its own)
-    replicas: int = 1  # HSDP: (replicas, world_size // replicas)
-    shard_optimizer_over_replicas: bool = False
-    # HSDP: per step, whole buffers across the replicas (an all-reduce; with the
-    # option a reduce-scatter and an all-gather of the shard group's chunks).
-    across_replicas_bytes: int = 0
-    chunk_bytes: int = 0  # the option: the shard group's chunks kept (param dtype)
+    batch: int  # sequences per rank
+    seq: int
+    memory: Memory
+    collectives: tuple[Collective, ...]
+    flops_per_step: int  # per rank: model FLOPs (flops_per_token)
+
+    def buffer_bytes(self, name: str) -> int:
+        return sum(c.buffer_bytes for c in self.collectives if c.name == name)
+
+    @property
+    def all_gather_bytes(self) -> int:  # in the shard group, per step, whole buffers
+        return self.buffer_bytes("all_gather")
+
+    @property
+    def reduce_scatter_bytes(self) -> int:  # in the shard group, per step, whole buffers
+        return self.buffer_bytes("reduce_scatter")
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.memory.peak
 
 
-def build_model(config: LlamaConfig) -> Llama:
-    with torch.device("meta"):
-        return Llama(config)
-
-
-def _flash_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None):
-    """What attention keeps for backward on a real device: the output and the
-    log-sum-exp, not the attention matrix. On the meta device
-    ``scaled_dot_product_attention`` falls back to the math path, which keeps
-    the matrix; the flash kernel's op has a meta implementation."""
-    if attn_mask is not None:
-        raise ValueError("the estimate models causal attention without a mask")
-    out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        query, key, value, dropout_p, is_causal, scale=scale
+def estimate(config: ModelConfig, setup: Setup, batch: int, seq: int) -> Estimate:
+    groups = shard_sizes(config, setup)
+    activations = activation_bytes(
+        config, batch, seq, DTYPES[setup.param_dtype], setup.activation_checkpointing
     )
-    return out
-
-
-def activation_bytes(config: LlamaConfig, batch: int, seq: int) -> int:
-    """Activations and temporaries at their peak in forward + backward of the
-    unsharded model on the meta device, as MemTracker classifies them.
-
-    Gradients are dropped as soon as they are accumulated and no optimizer
-    runs, so nothing but the (constant) parameters competes with activations
-    for the peak: for a large model the step's overall peak would otherwise
-    be the optimizer's, when activations are gone.
-    """
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    model = build_model(config)
-    for param in model.parameters():
-        param.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
-    tokens = torch.zeros(batch, seq + 1, dtype=torch.long, device="meta")
-    tracker = MemTracker()
-    tracker.track_external(model)
-    with tracker, patch.object(F, "scaled_dot_product_attention", _flash_attention):
-        logits = model(tokens[:, :-1])
-        loss = nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
-        loss.backward()
-    kinds = ("Activation", "Temp", "Buffer")
-    return int(
-        sum(
-            nbytes
-            for per_device in tracker.get_tracker_snapshot("peak").values()
-            for kind, nbytes in per_device.items()
-            if getattr(kind, "value", kind) in kinds
-        )
-    )
-
-
-def estimate(
-    config: LlamaConfig,
-    world_size: int,
-    batch: int,
-    seq: int,
-    replicas: int = 1,
-    shard_optimizer_over_replicas: bool = False,
-) -> Estimate:
-    """Shards a meta-device model over a fake world of ``world_size`` ranks
-    (this process is rank 0, which holds the largest shards), as HSDP over
-    ``replicas`` replicas if more than one."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
-    try:
-        if replicas > 1:
-            ranks = torch.arange(world_size).view(replicas, -1)
-            mesh = DeviceMesh("cpu", ranks, mesh_dim_names=("replicate", "shard"))
-        else:
-            mesh = DeviceMesh("cpu", torch.arange(world_size))
-        kwargs = {"mesh": mesh}
-        if shard_optimizer_over_replicas:
-            kwargs["shard_optimizer_over_replicas"] = True
-        model = build_model(config)
-        for block in model.layers:
-            fsdp2.fully_shard(block, **kwargs)
-        fsdp2.fully_shard(model, **kwargs)
-        rows = {row.module: row for row in fsdp2.summary(model, print_table=False)}
-    finally:
-        dist.destroy_process_group()
-    root = rows.pop("")
-    block = max(rows.values(), key=lambda row: row.unsharded_bytes)
-    padded = {name: r.unsharded_bytes + r.padding_bytes for name, r in rows.items()}
-    root_padded = root.unsharded_bytes + root.padding_bytes
-    sharded = 3 * (root.shard_bytes + sum(r.shard_bytes for r in rows.values()))
-    root_unsharded = 2 * root.unsharded_bytes
-    blocks_unsharded = block.unsharded_bytes
-    activations = activation_bytes(config, batch, seq)
-    # Across replicas, per step: HSDP all-reduces each shard group's chunk of the
-    # gradients; the option reduce-scatters it and all-gathers the chunks again
-    # (whole buffers, padded to the shard group's slots).
-    chunks = (root_padded + sum(padded.values())) * replicas // world_size
-    across = 0 if replicas == 1 else chunks * (2 if shard_optimizer_over_replicas else 1)
-    kept = chunks if shard_optimizer_over_replicas else 0
     return Estimate(
-        world_size=world_size,
-        params=root.numel + sum(r.numel for r in rows.values()),
-        sharded_state_bytes=sharded,
-        root_unsharded_bytes=root_unsharded,
-        blocks_unsharded_bytes=blocks_unsharded,
-        activation_bytes=activations,
-        peak_bytes=sharded + kept + root_unsharded + blocks_unsharded + activations,
-        all_gather_bytes=root_padded + 2 * sum(padded.values()),
-        reduce_scatter_bytes=root_padded + sum(padded.values()),
-        replicas=replicas,
-        shard_optimizer_over_replicas=shard_optimizer_over_replicas,
-        across_replicas_bytes=across,
-        chunk_bytes=kept,
+        setup=setup,
+        params=sum(g.numel for g in groups),
+        batch=batch,
+        seq=seq,
+        memory=memory(groups, setup, activations),
+        collectives=tuple(collectives(groups, setup)),
+        flops_per_step=flops_per_token(config, seq) * batch * seq,
     )
 
 
-# CompressionPolicy settings compared: (weights, gradients).
-COMPRESSION_SETTINGS = {
-    "fp32 (off)": (None, None),
-    "weights int8": ("int8", None),
-    "gradients bf16": (None, "bf16"),
-    "gradients int8": (None, "int8"),
-    "both int8": ("int8", "int8"),
-}
+# -- output -----------------------------------------------------------------------------
 
 
-def group_shapes(model: nn.Module) -> list[list[torch.Size]]:
-    """The parameter shapes of each group of the demo sharding (one group per
-    block of ``model.layers``, then the root with the rest), in group order."""
-    block_params = {id(p) for block in model.layers for p in block.parameters()}
-    root = [p.shape for p in model.parameters() if id(p) not in block_params]
-    return [root, *([p.shape for p in block.parameters()] for block in model.layers)]
+def assumptions(setup: Setup, links: Links, peak_tflops: float | None = None) -> list[str]:
+    """What the estimate assumed, in the words the output prints."""
+    lines = [
+        f"links: {links.gpus_per_node} GPUs per node; {links.intra_node_gbps:g} GB/s per GPU "
+        f"inside a node (NVLink-class), {links.inter_node_gbps:g} GB/s between nodes "
+        "(IB-class), per direction; a group is priced inside a node only if all its "
+        "ranks share one (mesh ranks in order, the shard axis inner)",
+        "algorithm: ring, bandwidth-bound: a rank sends (n-1)/n of each all-gather or "
+        "reduce-scatter buffer and 2(n-1)/n of an all-reduce's; no latency, no overlap",
+        f"dtypes: parameters all-gathered and computed in {setup.param_dtype}, gradients "
+        f"reduced in {setup.reduce_dtype}; fp32 master shards and {setup.optimizer_states} "
+        "fp32 optimizer states per parameter",
+        "counted per step: one group per block and the root; the root all-gathered once, "
+        "blocks in forward and again in backward; every gradient reduce-scattered; HSDP: "
+        "an all-reduce across replicas, or with the option a reduce-scatter across "
+        "replicas and an all-gather of the chunks after the optimizer step",
+        "memory: the largest of four moments (the loss; the last, the next and the first "
+        "block's backward) of sharded state, unsharded params and grads, reduce-scatter "
+        "input in flight and activations "
+        + (
+            "(blocks checkpointed: their inputs, one block recomputed)"
+            if setup.activation_checkpointing
+            else "(no activation checkpointing)"
+        ),
+    ]
+    if peak_tflops is not None:
+        lines.append(
+            f"compute: model FLOPs (6 per matmul weight and token + attention) at "
+            f"{peak_tflops:g} TFLOPS, 100% of it"
+        )
+    return lines
 
 
-def _slot_numels(shapes: list[torch.Size], world_size: int) -> list[int]:
-    """Each parameter's padded slot (``ShardLayout.slot_numel``, dim 0)."""
-    return [chunk_rows(s[0], world_size) * (s.numel() // max(s[0], 1)) for s in shapes]
+def describe(setup: Setup) -> str:
+    if setup.replicas == 1:
+        return f"FSDP over {setup.world_size} ranks"
+    hsdp = f"HSDP {setup.replicas} x {setup.shards}"
+    return hsdp + (", optimizer over replicas" if setup.shard_optimizer_over_replicas else "")
 
 
-def wire_bytes(
-    groups: list[list[torch.Size]],
-    world_size: int,
-    weights: str | None = None,
-    gradients: str | None = None,
-    block_size: int = 256,
-    itemsize: int = 4,
-) -> tuple[int, int]:
-    """Per step and rank, the bytes ``comm_stats`` counts (whole buffers): the
-    all-gathers (the root once, the other groups in forward and in backward)
-    and the gradient reductions, for fp32 (``itemsize``) parameters."""
-    all_gather = reduce = 0
-    for i, shapes in enumerate(groups):
-        slots = _slot_numels(shapes, world_size)
-        if not sum(slots):
-            continue
-        plain = world_size * sum(slots) * itemsize
-        gathered = world_size * rows_wire_bytes(slots, block_size) if weights == "int8" else plain
-        all_gather += gathered * (1 if i == 0 else 2)
-        if gradients == "bf16":
-            reduce += world_size * sum(slots) * 2
-        elif gradients == "int8":
-            reduce += world_size * rows_wire_bytes(slots, block_size)
-        else:
-            reduce += plain
-    return all_gather, reduce
-
-
-def comm_seconds(nbytes: int, world_size: int, link_bytes_per_s: float) -> float:
-    """A bandwidth-bound collective: each rank moves (W - 1) / W of the buffer."""
-    return nbytes * (world_size - 1) / world_size / link_bytes_per_s
-
-
-def compression_table(
-    config: LlamaConfig, world_sizes: list[int], link_gbps: float
-) -> list[dict[str, object]]:
-    """Per world size and setting: bytes and seconds of communication per step."""
-    groups = group_shapes(build_model(config))
-    rows = []
-    for world_size in world_sizes:
-        for name, (weights, gradients) in COMPRESSION_SETTINGS.items():
-            ag, rs = wire_bytes(groups, world_size, weights, gradients)
-            seconds = comm_seconds(ag + rs, world_size, link_gbps * 1e9)
-            rows.append(
-                {
-                    "world_size": world_size,
-                    "setting": name,
-                    "all_gather_bytes": ag,
-                    "reduce_bytes": rs,
-                    "comm_s": seconds,
-                }
-            )
-    return rows
-
-
-def print_compression_table(rows: list[dict[str, object]], name: str, link_gbps: float) -> None:
+def _console():
+    """rich's console, 120 columns wide when not a terminal (its default, 80,
+    cuts the tables' cells)."""
     from rich.console import Console
+
+    console = Console()
+    return console if console.is_terminal else Console(width=120)
+
+
+def _flops(n: float) -> str:
+    return f"{n / 1e12:.1f} TFLOP" if n >= 1e12 else f"{n / 1e9:.2f} GFLOP"
+
+
+def _seconds(s: float) -> str:
+    return f"{s:.2f} s" if s >= 1 else f"{s * 1e3:.1f} ms"
+
+
+def print_estimate(e: Estimate, name: str, links: Links, peak_tflops: float) -> list[Priced]:
+    from rich.table import Table
+
+    console = _console()
+    unit, scale = ("GiB", 2**30) if e.memory.peak >= 2**30 else ("MiB", 2**20)
+    print(
+        f"fsdp2 estimate: {name} ({e.params / 1e9:.2f} B params), {describe(e.setup)}, "
+        f"{e.batch} x {e.seq} tokens per rank. Assumed:"
+    )
+    for line in assumptions(e.setup, links, peak_tflops):
+        print(f"- {line}")
+    table = Table(title="memory per rank at the peak")
+    table.add_column("")
+    table.add_column(unit, justify="right")
+    m = e.memory
+    dtype = e.setup.param_dtype
+    rows = [
+        (f"fp32 sharded params + {e.setup.optimizer_states} optimizer states", m.sharded_state),
+        (f"kept chunks ({dtype}, optimizer over replicas)", m.kept_chunks),
+        (f"root's unsharded params ({dtype})", m.root_params),
+        (f"root's unsharded grads ({dtype})", m.root_grads),
+        (f"2 blocks' unsharded params ({dtype})", m.blocks_unsharded),
+        (f"1 block's unsharded grads ({dtype})", m.block_grads),
+        (f"1 reduce-scatter input in flight ({e.setup.reduce_dtype})", m.reduce_scatter_input),
+        ("fp32 sharded grads of the blocks reduced", m.sharded_grads),
+        ("activations and temporaries", m.activations),
+        (f"peak, at {m.moment}", m.peak),
+    ]
+    for label, value in rows:
+        if value or label.startswith(("fp32 sharded params", "activations", "peak")):
+            table.add_row(label, f"{value / scale:.2f}")
+    console.print(table)
+    priced = price(list(e.collectives), e.setup, links)
+    table = Table(title="communication per rank and step")
+    for column in ("collective", "ranks", "link", "calls", "buffers", "sent (ring)", "time"):
+        table.add_column(column, justify="left" if column in ("collective", "link") else "right")
+    for p in priced:
+        c = p.collective
+        table.add_row(
+            c.name,
+            str(c.ranks),
+            f"{p.link} {p.gbps:g} GB/s",
+            str(c.calls),
+            f"{c.buffer_bytes / scale:.2f} {unit}",
+            f"{c.sent_bytes / scale:.2f} {unit}",
+            _seconds(p.seconds),
+        )
+    total = sum(p.seconds for p in priced)
+    between = sum(p.seconds for p in priced if p.link == "inter-node")
+    table.add_row("total", "", "", "", "", "", _seconds(total))
+    console.print(table)
+    compute = e.flops_per_step / (peak_tflops * 1e12)
+    print(
+        f"communication {_seconds(total)} per step ({_seconds(between)} of it between nodes); "
+        f"compute {_flops(e.flops_per_step)} per rank and step: {_seconds(compute)} "
+        f"at {peak_tflops:g} TFLOPS"
+    )
+    return priced
+
+
+def print_compression_table(rows: list[dict[str, object]], name: str, links: Links) -> None:
     from rich.table import Table
 
     table = Table(
-        title=f"{name}: communication per step and rank at {link_gbps:g} GB/s per link "
-        "(bandwidth-bound, no overlap)"
+        title=f"{name}, 1D FSDP: communication per step and rank, ring, bandwidth-bound "
+        f"({links.intra_node_gbps:g} GB/s inside a node of {links.gpus_per_node}, "
+        f"{links.inter_node_gbps:g} between nodes)"
     )
-    for column in ("ranks", "setting", "all-gathered", "reduced", "time", "vs fp32"):
-        table.add_column(column, justify="left" if column == "setting" else "right")
+    for column in ("ranks", "setting", "all-gathered", "reduced", "link", "time", "vs off"):
+        table.add_column(column, justify="left" if column in ("setting", "link") else "right")
     base: dict[object, float] = {}
     for row in rows:
         seconds = float(row["comm_s"])  # type: ignore[arg-type]
@@ -306,45 +301,16 @@ def print_compression_table(rows: list[dict[str, object]], name: str, link_gbps:
             str(row["setting"]),
             f"{int(row['all_gather_bytes']) / 2**30:.2f} GiB",  # type: ignore[call-overload]
             f"{int(row['reduce_bytes']) / 2**30:.2f} GiB",  # type: ignore[call-overload]
+            str(row["link"]),
             f"{seconds:.2f} s",
             f"{seconds / base[row['world_size']]:.2f}x",
         )
-    Console().print(table)
+    _console().print(table)
 
 
-def print_estimate(e: Estimate, name: str, batch: int, seq: int) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    unit, scale = ("GiB", 2**30) if e.peak_bytes >= 2**30 else ("MiB", 2**20)
-    ranks = f"{e.world_size} ranks"
-    if e.replicas > 1:
-        ranks += f" (HSDP {e.replicas} x {e.world_size // e.replicas}"
-        ranks += ", optimizer over replicas)" if e.shard_optimizer_over_replicas else ")"
-    table = Table(
-        title=f"fsdp2 estimate: {name} ({e.params / 1e9:.2f} B params) on {ranks}, "
-        f"{batch} x {seq} tokens per rank, fp32 + AdamW"
-    )
-    table.add_column("per rank")
-    table.add_column(unit, justify="right")
-    for label, value in (
-        ("sharded params + AdamW states", e.sharded_state_bytes),
-        ("shard group's chunks kept (optimizer over replicas)", e.chunk_bytes),
-        ("root's unsharded params + grads", e.root_unsharded_bytes),
-        ("1 block's unsharded params", e.blocks_unsharded_bytes),
-        ("activations and temporaries", e.activation_bytes),
-        ("peak", e.peak_bytes),
-        ("all-gathered per step", e.all_gather_bytes),
-        ("reduce-scattered per step", e.reduce_scatter_bytes),
-        ("across replicas per step", e.across_replicas_bytes),
-    ):
-        table.add_row(label, f"{value / scale:.3f}")
-    Console().print(table)
-
-
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--model", choices=sorted(PRESETS), default="llama-7b")
+    p.add_argument("--model", choices=sorted(PRESETS), default="llama3-8b")
     p.add_argument("--world-size", type=int, default=1024)
     p.add_argument("--batch", type=int, default=1, help="sequences per rank")
     p.add_argument("--seq", type=int, default=None, help="tokens per sequence (default: max)")
@@ -354,49 +320,106 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="HSDP: fully_shard(shard_optimizer_over_replicas=True)",
     )
+    p.add_argument("--param-dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument("--reduce-dtype", choices=sorted(DTYPES), default="fp32")
+    p.add_argument(
+        "--optimizer-states",
+        type=int,
+        default=2,
+        help="fp32 states per parameter: AdamW 2 (default), SGD with momentum 1, SGD 0",
+    )
+    p.add_argument("--activation-checkpointing", action="store_true", help="checkpoint each block")
+    p.add_argument("--gpus-per-node", type=int, default=Links.gpus_per_node)
+    p.add_argument(
+        "--intra-node-gbps",
+        type=float,
+        default=Links.intra_node_gbps,
+        help="GB/s per GPU and direction inside a node (default: NVLink 4, H100 SXM)",
+    )
+    p.add_argument(
+        "--inter-node-gbps",
+        type=float,
+        default=Links.inter_node_gbps,
+        help="GB/s per GPU and direction between nodes (default: one 400 Gb/s NIC per GPU)",
+    )
+    p.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=989.0,
+        help="peak FLOPS per GPU for the compute line (default: H100 SXM, bf16 dense)",
+    )
     p.add_argument("--json", help="also write the estimate to this file")
     p.add_argument(
-        "--link-gbps",
-        type=float,
-        help="GB/s per rank between ranks: also print each compression setting's comm time",
+        "--compression",
+        action="store_true",
+        help="also print each CompressionPolicy setting's comm time (1D FSDP only)",
     )
     p.add_argument(
         "--compression-grid",
         action="store_true",
-        help="only the comm time of each compression setting, llama-7b and llama-70b, "
-        "64 to 1024 ranks (needs --link-gbps)",
+        help="only the comm time of each compression setting, llama3-8b and llama3-70b, "
+        "64 to 1024 ranks (no memory estimate)",
     )
     args = p.parse_args(argv)
     if args.world_size < 1:
         p.error("--world-size must be at least 1")
-    if args.link_gbps is not None and args.link_gbps <= 0:
-        p.error("--link-gbps must be positive, e.g. 25 (GB/s between nodes)")
-    if args.compression_grid:
-        if args.link_gbps is None:
-            p.error("--compression-grid needs --link-gbps, e.g. --link-gbps 25")
-        grid = {}
-        for name in ("llama-7b", "llama-70b"):
-            grid[name] = compression_table(PRESETS[name], [64, 128, 256, 512, 1024], args.link_gbps)
-            print_compression_table(grid[name], name, args.link_gbps)
-        if args.json:
-            Path(args.json).write_text(json.dumps(grid, indent=2))
-        return
+    if args.gpus_per_node < 1:
+        p.error("--gpus-per-node must be at least 1")
+    for flag in ("intra_node_gbps", "inter_node_gbps", "peak_tflops"):
+        if getattr(args, flag) <= 0:
+            p.error(f"--{flag.replace('_', '-')} must be positive")
     if args.replicas < 1 or args.world_size % args.replicas:
         p.error(f"--replicas {args.replicas} must divide --world-size {args.world_size}")
     if args.shard_optimizer_over_replicas and args.replicas < 2:
         p.error("--shard-optimizer-over-replicas needs --replicas of 2 or more (HSDP)")
-    config = PRESETS[args.model]
-    seq = args.seq or config.max_seq_len
-    if seq > config.max_seq_len:
-        p.error(f"--seq {seq} is longer than {args.model}'s max_seq_len {config.max_seq_len}")
-    result = estimate(
-        config, args.world_size, args.batch, seq, args.replicas, args.shard_optimizer_over_replicas
+    if args.compression and args.replicas > 1:
+        p.error("--compression models 1D FSDP only: leave out --replicas")
+    seq = args.seq or PRESETS[args.model].max_seq_len
+    if seq > PRESETS[args.model].max_seq_len:
+        p.error(f"--seq {seq} is longer than {args.model}'s max_seq_len")
+    args.seq = seq
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    links = Links(args.intra_node_gbps, args.inter_node_gbps, args.gpus_per_node)
+    if args.compression_grid:
+        grid = {}
+        for name in ("llama3-8b", "llama3-70b"):
+            grid[name] = compression_table(
+                PRESETS[name], [64, 128, 256, 512, 1024], links, args.param_dtype, args.reduce_dtype
+            )
+            print_compression_table(grid[name], name, links)
+        if args.json:
+            Path(args.json).write_text(json.dumps(grid, indent=2))
+        return
+    setup = Setup(
+        world_size=args.world_size,
+        replicas=args.replicas,
+        shard_optimizer_over_replicas=args.shard_optimizer_over_replicas,
+        param_dtype=args.param_dtype,
+        reduce_dtype=args.reduce_dtype,
+        optimizer_states=args.optimizer_states,
+        activation_checkpointing=args.activation_checkpointing,
     )
-    print_estimate(result, args.model, args.batch, seq)
-    output: dict[str, object] = asdict(result)
-    if args.link_gbps is not None:
-        rows = compression_table(config, [args.world_size], args.link_gbps)
-        print_compression_table(rows, args.model, args.link_gbps)
+    config = PRESETS[args.model]
+    result = estimate(config, setup, args.batch, args.seq)
+    priced = print_estimate(result, args.model, links, args.peak_tflops)
+    output: dict[str, object] = {
+        **asdict(result),
+        "peak_bytes": result.peak_bytes,
+        "links": asdict(links),
+        "assumed": assumptions(setup, links, args.peak_tflops),
+        "priced": [asdict(p) for p in priced],
+        "comm_s": sum(p.seconds for p in priced),
+        "compute_s": result.flops_per_step / (args.peak_tflops * 1e12),
+    }
+    if args.compression:
+        rows = compression_table(
+            config, [args.world_size], links, args.param_dtype, args.reduce_dtype
+        )
+        print_compression_table(rows, args.model, links)
         output["compression"] = rows
     if args.json:
         Path(args.json).write_text(json.dumps(output, indent=2))

@@ -33,6 +33,7 @@ class LlamaConfig:
     dim: int = 128
     n_layers: int = 4
     n_heads: int = 4
+    n_kv_heads: int | None = None  # grouped-query attention; None: n_heads (one K/V per head)
     ffn_dim: int | None = None  # None: about 8/3 * dim, rounded up to a multiple of 32
     max_seq_len: int = 128
     rope_theta: float = 10000.0
@@ -47,6 +48,15 @@ class LlamaConfig:
                 f"head dim {self.dim // self.n_heads} (dim / n_heads) must be even for rotary "
                 "embeddings; change dim or n_heads."
             )
+        if self.n_heads % self.kv_heads:
+            raise ValueError(
+                f"n_heads {self.n_heads} must be a multiple of n_kv_heads {self.kv_heads} "
+                "(each K/V head serves n_heads / n_kv_heads query heads)"
+            )
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
 
     @property
     def head_dim(self) -> int:
@@ -113,22 +123,27 @@ class Attention(nn.Module):
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         self.n_heads = config.n_heads
+        self.kv_heads = config.kv_heads
         self.head_dim = config.head_dim
+        kv_dim = config.kv_heads * config.head_dim
         self.wq = nn.Linear(config.dim, config.dim, bias=False)
-        self.wk = nn.Linear(config.dim, config.dim, bias=False)
-        self.wv = nn.Linear(config.dim, config.dim, bias=False)
+        self.wk = nn.Linear(config.dim, kv_dim, bias=False)
+        self.wv = nn.Linear(config.dim, kv_dim, bias=False)
         self.wo = nn.Linear(config.dim, config.dim, bias=False)
         self.rotary = RotaryEmbedding(config.head_dim, config.max_seq_len, config.rope_theta)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, dim = x.shape
 
-        def heads(t: torch.Tensor) -> torch.Tensor:  # (batch, seq, dim) -> (batch, heads, seq, hd)
-            return t.view(batch, seq, self.n_heads, self.head_dim).transpose(1, 2)
+        def heads(t: torch.Tensor) -> torch.Tensor:  # (batch, seq, n*hd) -> (batch, n, seq, hd)
+            return t.view(batch, seq, -1, self.head_dim).transpose(1, 2)
 
         q = self.rotary(heads(self.wq(x)))
         k = self.rotary(heads(self.wk(x)))
         v = heads(self.wv(x))
+        if self.kv_heads != self.n_heads:  # grouped-query: each K/V head to its query heads
+            k = k.repeat_interleave(self.n_heads // self.kv_heads, dim=1)
+            v = v.repeat_interleave(self.n_heads // self.kv_heads, dim=1)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, dim))
 
