@@ -88,26 +88,36 @@ def _measure(rank: int, world_size: int, out: str, param_dtype: str, checkpointi
         Path(out).write_text(json.dumps({"peak": int(peak), **sent}))
 
 
+MEASURED_SETUPS = [(dtype, ac) for dtype in ("fp32", "bf16") for ac in (False, True)]
+
+
+def _measure_each(rank: int, world_size: int, out: str) -> None:
+    """Every setup of MEASURED_SETUPS in one spawn of the ranks."""
+    for index, (param_dtype, checkpointing) in enumerate(MEASURED_SETUPS):
+        _measure(rank, world_size, f"{out}.{index}", param_dtype, checkpointing)
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("world_size", [2, 4])
-@pytest.mark.parametrize("param_dtype", ["fp32", "bf16"])
-@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "ac"])
-def test_estimate_matches_measured(
-    world_size: int, param_dtype: str, checkpointing: bool, tmp_path: Path
-) -> None:
+def test_estimate_matches_measured(world_size: int, tmp_path: Path) -> None:
+    """fp32 and bf16 parameters, with and without activation checkpointing."""
     out = tmp_path / "measured.json"
-    run_ranks(_measure, world_size, tmp_path, str(out), param_dtype, checkpointing)
-    measured = json.loads(out.read_text())
-    setup = estimate.Setup(
-        world_size, param_dtype=param_dtype, activation_checkpointing=checkpointing
-    )
-    predicted = estimate.estimate(CONFIG, setup, BATCH, SEQ)
-    assert not dist.is_initialized()  # the fake group is gone again
-    # Communication is exact: fsdp2's own padded sizes.
-    assert predicted.all_gather_bytes == measured["all_gather"]
-    assert predicted.reduce_scatter_bytes == measured["reduce_scatter"]
-    ratio = predicted.peak_bytes / measured["peak"]
-    assert abs(ratio - 1) <= 0.05, f"estimated {predicted.peak_bytes}, measured {measured['peak']}"
+    run_ranks(_measure_each, world_size, tmp_path, str(out))
+    for index, (param_dtype, checkpointing) in enumerate(MEASURED_SETUPS):
+        what = f"{param_dtype}, checkpointing={checkpointing}"
+        measured = json.loads(Path(f"{out}.{index}").read_text())
+        setup = estimate.Setup(
+            world_size, param_dtype=param_dtype, activation_checkpointing=checkpointing
+        )
+        predicted = estimate.estimate(CONFIG, setup, BATCH, SEQ)
+        assert not dist.is_initialized()  # the fake group is gone again
+        # Communication is exact: fsdp2's own padded sizes.
+        assert predicted.all_gather_bytes == measured["all_gather"], what
+        assert predicted.reduce_scatter_bytes == measured["reduce_scatter"], what
+        ratio = predicted.peak_bytes / measured["peak"]
+        assert abs(ratio - 1) <= 0.05, (
+            f"{what}: estimated {predicted.peak_bytes}, measured {measured['peak']}"
+        )
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
