@@ -1,10 +1,12 @@
-"""Three mistakes that used to train silently wrong now stop at the first forward
-or optimizer step (fsdp2/mistakes.py), and the legitimate uses that look like
-them run without an error or a warning:
+"""Mistakes that used to train silently wrong now stop at the first forward or
+optimizer step (fsdp2/mistakes.py, fsdp2/same_model.py), and the legitimate
+uses that look like them run without an error or a warning:
 
 - a root left unsharded (its parameters trained apart on each rank),
 - an optimizer built before fully_shard (stepping the replaced parameters),
-- HSDP replicas, or min_numel_to_shard's whole copies, built differently.
+- ranks that hold different models: built with a seed per rank (FSDP, HSDP,
+  HSDP over replicas), a checkpoint loaded on some ranks only, HSDP replicas
+  or min_numel_to_shard's whole copies that differ.
 
 One spawn per world size: 2 ranks for FSDP, 4 for HSDP (2 x 2).
 """
@@ -23,6 +25,8 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from dist import labelled, run_ranks
 from models import (
+    SEQ_LEN,
+    VOCAB_SIZE,
     build_model,
     global_batch,
     local_batch,
@@ -42,6 +46,7 @@ from torch.testing._internal.distributed._tensor.common_dtensor import Transform
 
 import fsdp2
 import fsdp2.mistakes
+import fsdp2.same_model
 
 KIND = "transformer_untied"  # a root with parameters of its own: embeddings, norm, head
 THRESHOLD = 100  # min_numel_to_shard: biases and norm weights stay whole on every rank
@@ -59,19 +64,27 @@ def no_warnings() -> Iterator[None]:
 
 @contextlib.contextmanager
 def counted_checks() -> Iterator[list[int]]:
-    """Counts the checks' collectives (``fsdp2.mistakes._gather``) while active."""
+    """Counts the checks' collectives while active: the optimizer check's
+    (``fsdp2.mistakes._gather``) and the lazy init's all-reduces
+    (``fsdp2.same_model._max_over``)."""
     calls = [0]
-    original = fsdp2.mistakes._gather
+    patched = [(fsdp2.mistakes, "_gather"), (fsdp2.same_model, "_max_over")]
+    originals = [getattr(module, name) for module, name in patched]
 
-    def counting(*args, **kwargs):
-        calls[0] += 1
-        return original(*args, **kwargs)
+    def counting(original):
+        def counted(*args, **kwargs):
+            calls[0] += 1
+            return original(*args, **kwargs)
 
-    fsdp2.mistakes._gather = counting
+        return counted
+
+    for (module, name), original in zip(patched, originals, strict=True):
+        setattr(module, name, counting(original))
     try:
         yield calls
     finally:
-        fsdp2.mistakes._gather = original
+        for (module, name), original in zip(patched, originals, strict=True):
+            setattr(module, name, original)
 
 
 def train(model: nn.Module, optims: list[torch.optim.Optimizer], rank: int, world: int) -> None:
@@ -131,6 +144,27 @@ def _mistakes(rank: int, world: int) -> None:
             r".* Build the optimizer after fully_shard",
         ):
             optim.step()
+    with labelled("ranks seeded apart"):
+        model = shard_model(built_on_rank(rank))
+        with pytest.raises(
+            RuntimeError,
+            match=r"the 2 data-parallel ranks built different models: 'tok_embeddings.weight', "
+            r".* \(and \d+ more\) differed when fully_shard took them whole, .* Build the same "
+            r"model on every rank: torch.manual_seed\(0\)",
+        ):
+            model(batch[0])
+    with labelled("a checkpoint loaded on rank 0 only"):
+        checkpoint = built_on_rank(7).state_dict()
+        model = shard_model(build_model(KIND))
+        if rank == 0:
+            model.load_state_dict(checkpoint)
+        with pytest.raises(
+            RuntimeError,
+            match=r"'tok_embeddings.weight', .* changed since fully_shard on some of the 2 "
+            r"data-parallel ranks and not on the others .* Load on every rank, before the first "
+            r"forward",
+        ):
+            model(batch[0])
     with labelled("min_numel_to_shard copies differ"):
         torch.manual_seed(rank)  # a seed per rank
         model = shard_model(TwoLayers(), min_numel_to_shard=THRESHOLD)
@@ -163,11 +197,11 @@ def _legitimate(rank: int, world: int, tmp: Path) -> None:
         model = shard_model(build_model("mlp"))
         optim = make_optimizer(model)
         with counted_checks() as checks:
-            for step in range(2):
+            for step in range(3):
                 mean_loss(model, *local_batch(global_batch("mlp", step), rank, world)).backward()
                 optim.step()
                 optim.zero_grad()
-        assert checks[0] == 0, f"plain FSDP, sharded parameters only: no collective, {checks[0]}"
+                assert checks[0] == 1, f"step {step}: one all-reduce at lazy init, {checks[0]}"
     with labelled("two roots on purpose, sharing a comm context"), no_warnings():
         first, second = shard_model(build_model(KIND)), shard_model(build_model(KIND))
         fsdp2.share_comm_ctx([first, second])
@@ -207,7 +241,9 @@ def _legitimate(rank: int, world: int, tmp: Path) -> None:
                         param.grad /= world
                 optim.step()
                 optim.zero_grad()
-        assert checks[0] == 1, f"one check at the first step, then none: {checks[0]}"
+        # Each block is a root of its own: one all-reduce at each lazy init, one
+        # all-gather at the first step, then none.
+        assert checks[0] == len(model.layers) + 1, checks
     with labelled("min_numel_to_shard, loaded after fully_shard"), no_warnings():
         # Other values on each rank: the load makes them equal.
         model = shard_model(built_on_rank(rank), min_numel_to_shard=THRESHOLD)
@@ -233,6 +269,24 @@ def _legitimate(rank: int, world: int, tmp: Path) -> None:
             assert not full, "cpu_offload=True: a full model on rank 0 only"
             for p in model.parameters():
                 p.full_tensor()  # rank 0's full_tensor() calls, matched
+    with labelled("meta init, then initialised on the sharded parameters"), no_warnings():
+        with torch.device("meta"):
+            model = shard_model(build_model(KIND))
+        model.to_empty(device="cpu")
+        torch.manual_seed(0)
+        for module in model.modules():
+            if hasattr(module, "reset_parameters"):
+                module.reset_parameters()
+        torch.manual_seed(rank)  # for data only, after the model is built
+        model(torch.randint(VOCAB_SIZE, (2, SEQ_LEN)))
+    with labelled("a full checkpoint read on rank 0, broadcast"), no_warnings():
+        full = build_model(KIND).state_dict() if rank == 0 else {}
+        with torch.device("meta"):
+            model = shard_model(build_model(KIND))
+        model.to_empty(device="cpu")
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        set_model_state_dict(model, full, options=options)
+        train(model, [make_optimizer(model)], rank, world)
 
 
 @pytest.mark.distributed
@@ -264,13 +318,47 @@ def _hsdp(rank: int, world: int) -> None:
                 model.layers[1].feed_forward.w2.weight.to_local().add_(1e-3)
         with pytest.raises(RuntimeError, match=r"replicas hold .*: 'layers.1.feed_forward.w2"):
             model(global_batch(KIND, 0)[0])
+    batch = global_batch(KIND, 0)[0]
+    checkpoint = built_on_rank(7).state_dict()  # the same on every rank
+    with labelled("a checkpoint loaded on shard 0 of each replica: copies alike, stitched"):
+        model = shard_model(build_model(KIND), mesh=mesh)
+        if mesh.get_local_rank("shard") == 0:
+            model.load_state_dict(checkpoint)
+        with pytest.raises(RuntimeError, match=r"changed since fully_shard on some of the 4 "):
+            model(batch)
+    over_replicas = {"mesh": mesh, "shard_optimizer_over_replicas": True}
+    with labelled("over replicas, a seed per rank"):
+        model = shard_model(built_on_rank(rank), **over_replicas)
+        with pytest.raises(
+            RuntimeError,
+            match=r"the 4 data-parallel ranks built different models: 'tok_embeddings.weight', "
+            r".* differed when fully_shard took them whole",
+        ):
+            model(batch)
+    with labelled("over replicas, a checkpoint loaded on one replica only"):
+        model = shard_model(build_model(KIND), **over_replicas)
+        if rank < world // 2:
+            model.load_state_dict(checkpoint)
+        with pytest.raises(
+            RuntimeError,
+            match=r"'tok_embeddings.weight', .* changed since fully_shard on some of the 4 "
+            r"data-parallel ranks and not on the others",
+        ):
+            model(batch)
     with labelled("the same model on every rank"), no_warnings():
         model = shard_model(build_model(KIND), mesh=mesh, min_numel_to_shard=THRESHOLD)
         train(model, [make_optimizer(model)], rank, world)
+    with labelled("over replicas, a seed per rank, a checkpoint loaded on every rank"):
+        with no_warnings(), counted_checks() as checks:
+            model = shard_model(built_on_rank(rank), **over_replicas)
+            model.load_state_dict(checkpoint)
+            train(model, [make_optimizer(model)], rank, world)
+        assert checks[0] == 2, f"one all-reduce per mesh axis at lazy init, none after: {checks}"
 
 
 @pytest.mark.distributed
 def test_hsdp_replicas_that_differ(tmp_path: Path) -> None:
+    """Each rank of a 2 x 2 mesh raises, and the same model trains."""
     run_ranks(_hsdp, 4, tmp_path)
 
 
