@@ -12,16 +12,18 @@ than one rank, whatever the parameters hold (so that no rank can skip it):
   each parameter whole, no communication) takes a checksum of it, of a TP
   parameter its TP-local tensor; unless some rank changed it since, the
   checksums must agree over the data-parallel ranks.
-- *changed on some ranks only*: a parameter loaded, assigned or written in
-  place since ``fully_shard`` (a new object, or its version counters moved)
-  on some data-parallel ranks and not on the others.
+- *changed on some ranks only*: a parameter whose piece changed since
+  ``fully_shard`` (its checksums, taken there too) on some data-parallel
+  ranks while on others it was not even written (its version counters
+  unmoved, the same object): a load on some ranks only. A rank whose piece
+  was written with the values it held (a checkpoint equal there to the
+  initialization) counts for neither, as does an empty piece.
 - *redundant copies*: HSDP replicas (but pieces over replicas, which have
   none) and the whole copies of ``min_numel_to_shard`` are compared as they
   are at lazy init.
 
-Meta parameters have no checksum: initialized after ``to_empty``, on every
-rank, they count as changed everywhere. Tensor subclasses (float8, NF4) are
-not summed. ``check_switches.skip_same_model_check`` turns the check off.
+Meta parameters have no checksums (initialized after ``to_empty``, or
+loaded: nothing to compare with), nor have tensor subclasses (float8, NF4). ``check_switches.skip_same_model_check`` turns the check off.
 See "Mistakes fsdp2 stops" in docs/usage.md.
 """
 
@@ -51,23 +53,26 @@ _CHUNK = 1 << 22  # elements checksummed at a time: 32 MiB in float64
 _REPLACED = object()  # no record: the sharded parameter was replaced since fully_shard
 
 # A parameter's row in the all-reduce (see _row): the checksums of its local tensor
-# now, its fingerprint at fully_shard, whether it changed since, each as (v, -v);
-# then whether its copies on the replicas differ (HSDP, set between the all-reduces).
-_NOW, _BUILT, _CHANGED = slice(0, 8), slice(8, 12), slice(12, 14)
-_REPLICAS_APART = 14
+# now, its fingerprint at fully_shard, each as (v, -v); whether its piece changed,
+# whether it stayed untouched (Written); whether its copies on the replicas differ
+# (HSDP, set between the two all-reduces).
+_NOW, _BUILT = slice(0, 8), slice(8, 12)
+_CHANGED, _UNTOUCHED, _REPLICAS_APART = 12, 13, 14
 _WIDTH = 15
 # How much two ranks' checksums may differ by rounding: relative to the sum of |x|,
 # the sum of squares to itself (see checksums and fingerprint: the same prefix).
 _SCALE = (1.0, 1.0, 0.0, 127.0)
+_SUMMED_AS_IS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 class BuiltAs(NamedTuple):
     """What ``fully_shard`` took of a parameter, kept on its sharded parameter
-    until lazy init: the whole tensor's ``fingerprint`` (None: on meta, a
-    subclass, or kept whole, which is compared as it is), and the sharded
-    parameter's local tensor and version counters then."""
+    until lazy init: the ``fingerprint`` of the whole tensor and of this
+    rank's piece (None: on meta, a subclass, or kept whole, which is compared
+    as it is), and the sharded parameter's local tensor and version counters."""
 
-    fingerprint: torch.Tensor | None  # (2,) float64, on the parameter's device
+    whole: torch.Tensor | None  # (2,) float64, on the parameter's device
+    piece: torch.Tensor | None  # (2,) float64, on the piece's device
     local: torch.Tensor
     versions: tuple[int, int]  # the DTensor's, its local tensor's
 
@@ -75,13 +80,19 @@ class BuiltAs(NamedTuple):
 def remember(param: nn.Parameter, fsdp_param: FSDPParam) -> None:
     """At ``fully_shard``: ``param`` is still whole (``fsdp_param`` just made
     its sharded parameter)."""
+    if data_parallel_size(fsdp_param.mesh_info) == 1:
+        return  # nothing to compare with
     whole = local_tensor(param) if isinstance(param, DTensor) else param
     summed = not fsdp_param.layout.whole and not whole.is_meta
     summed = summed and type(whole) in (torch.Tensor, nn.Parameter)
     sharded = fsdp_param.sharded_param
     local = local_tensor(sharded)
-    sums = fingerprint(whole) if summed else None
-    sharded.__dict__[BUILT_AS] = BuiltAs(sums, local, (sharded._version, local._version))
+    versions = (sharded._version, local._version)
+    if summed:
+        record = BuiltAs(fingerprint(whole), fingerprint(local), local, versions)
+    else:
+        record = BuiltAs(None, None, local, versions)
+    sharded.__dict__[BUILT_AS] = record
 
 
 def skip(fsdp_params: list[FSDPParam]) -> None:
@@ -119,16 +130,22 @@ def _row(p: FSDPParam, record: object, info: MeshInfo, device: torch.device) -> 
     local = local_tensor(p.sharded_param)
     if _has_copies(p, info) and type(local) is torch.Tensor:
         row[_NOW] = _both(checksums(local))
+    row[_CHANGED] = row[_UNTOUCHED] = 0
     if p.layout.whole:
         return row
-    changed = (
-        not isinstance(record, BuiltAs)
-        or record.local is not local
-        or record.versions != (p.sharded_param._version, local._version)
-    )
-    row[_CHANGED] = torch.tensor([1.0, -1.0] if changed else [0.0, 0.0])
-    if isinstance(record, BuiltAs) and record.fingerprint is not None:
-        row[_BUILT] = _both(record.fingerprint)
+    if not isinstance(record, BuiltAs):  # replaced since fully_shard: a new one
+        row[_CHANGED] = float(local.numel() > 0)
+        return row
+    if record.whole is not None:
+        row[_BUILT] = _both(record.whole)
+    if record.piece is not None and local.numel() > 0:  # an empty one holds nothing
+        changed = bool(differ(torch.stack([record.piece, fingerprint(local).to(record.piece)]), 0))
+        written = record.local is not local or record.versions != (
+            p.sharded_param._version,
+            local._version,
+        )
+        row[_CHANGED] = float(changed)
+        row[_UNTOUCHED] = float(not changed and not written)
     return row
 
 
@@ -160,16 +177,15 @@ def _compare(info: MeshInfo, params: list[FSDPParam], rows: torch.Tensor) -> Non
     copies_apart = (whole & _apart(rows[:, _NOW])) | (rows[:, _REPLICAS_APART] > 0)
     if copies_apart.any():
         raise RuntimeError(_copies_message(info, _names(params, copies_apart)))
-    any_changed = rows[:, _CHANGED.start] > 0
-    all_changed = -rows[:, _CHANGED.start + 1] > 0
-    some_changed = ~whole & any_changed & ~all_changed
+    any_changed = rows[:, _CHANGED] > 0
+    some_changed = ~whole & any_changed & (rows[:, _UNTOUCHED] > 0)
     if some_changed.any():
         raise RuntimeError(
             f"fsdp2: {some(_names(params, some_changed))} changed since fully_shard on some "
-            f"of the {data_parallel_size(info)} data-parallel ranks and not on the others "
-            "(loaded, assigned or written in place, e.g. a checkpoint loaded under `if rank "
-            "== 0:`), so the model is stitched: some of its pieces hold the new values, the "
-            "others what each rank built. Load on every rank, before the first forward: "
+            f"of the {data_parallel_size(info)} data-parallel ranks and were not even written "
+            "on others (e.g. a checkpoint loaded under `if rank == 0:`), so the model is "
+            "stitched: some of its pieces hold the new values, the others what each rank "
+            "built. Load on every rank, before the first forward: "
             "model.load_state_dict(sd) or set_model_state_dict(model, sd) on all ranks (to "
             "read the file on rank 0 only, pass options=StateDictOptions(full_state_dict=True, "
             "broadcast_from_rank0=True) to set_model_state_dict, still on every rank)."
@@ -244,6 +260,8 @@ def fingerprint(tensor: torch.Tensor) -> torch.Tensor:
         total = torch.zeros(2, dtype=torch.float64, device=flat.device)
         for start in range(0, flat.numel(), _CHUNK):
             x = flat[start : start + _CHUNK]
+            if x.dtype not in _SUMMED_AS_IS:
+                x = x.to(torch.float64)  # integers, float8: no vector_norm of their own
             total += torch.stack(
                 [x.sum(dtype=torch.float64), torch.linalg.vector_norm(x, 1, dtype=torch.float64)]
             )

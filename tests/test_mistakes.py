@@ -47,6 +47,7 @@ from torch.testing._internal.distributed._tensor.common_dtensor import Transform
 import fsdp2
 import fsdp2.mistakes
 import fsdp2.same_model
+from fsdp2.check_switches import skip_same_model_check
 
 KIND = "transformer_untied"  # a root with parameters of its own: embeddings, norm, head
 THRESHOLD = 100  # min_numel_to_shard: biases and norm weights stay whole on every rank
@@ -153,6 +154,11 @@ def _mistakes(rank: int, world: int) -> None:
             r"model on every rank: torch.manual_seed\(0\)",
         ):
             model(batch[0])
+    with labelled("ranks seeded apart, the check switched off"), counted_checks() as checks:
+        model = shard_model(built_on_rank(rank))
+        skip_same_model_check(model)  # on every rank
+        model(batch[0])
+        assert checks[0] == 0, f"no all-reduce: {checks}"
     with labelled("a checkpoint loaded on rank 0 only"):
         checkpoint = built_on_rank(7).state_dict()
         model = shard_model(build_model(KIND))
@@ -161,8 +167,8 @@ def _mistakes(rank: int, world: int) -> None:
         with pytest.raises(
             RuntimeError,
             match=r"'tok_embeddings.weight', .* changed since fully_shard on some of the 2 "
-            r"data-parallel ranks and not on the others .* Load on every rank, before the first "
-            r"forward",
+            r"data-parallel ranks and were not even written on others .* Load on every rank, "
+            r"before the first forward",
         ):
             model(batch[0])
     with labelled("min_numel_to_shard copies differ"):
@@ -342,8 +348,24 @@ def _hsdp(rank: int, world: int) -> None:
         with pytest.raises(
             RuntimeError,
             match=r"'tok_embeddings.weight', .* changed since fully_shard on some of the 4 "
-            r"data-parallel ranks and not on the others",
+            r"data-parallel ranks and were not even written on others",
         ):
+            model(batch)
+    replicas = mesh.get_group("replicate")
+    source = dist.get_process_group_ranks(replicas)[0]
+    for label, load in (("overwritten", False), ("loaded", True)):
+        with labelled(f"replica 1 {label}, then replica 0 broadcast"), no_warnings():
+            # torch's recipe for replicas made alike after fully_shard (its
+            # test_hsdp_broadcast_across_replicas): a broadcast bumps no version counter.
+            model = shard_model(build_model(KIND), mesh=mesh)
+            if mesh.get_local_rank("replicate") > 0:
+                with torch.no_grad():
+                    for param in model.parameters():
+                        param.to_local().fill_(1337)
+            elif load:
+                model.load_state_dict(checkpoint)
+            for param in model.parameters():
+                dist.broadcast(param.to_local(), src=source, group=replicas)
             model(batch)
     with labelled("the same model on every rank"), no_warnings():
         model = shard_model(build_model(KIND), mesh=mesh, min_numel_to_shard=THRESHOLD)
