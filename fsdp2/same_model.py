@@ -9,9 +9,9 @@ and mesh (two for HSDP, one per axis), for every data-parallel mesh of more
 than one rank, whatever the parameters hold (so that no rank can skip it):
 
 - *as built*: ``remember`` (at ``fully_shard``, while every rank still holds
-  each parameter whole, no communication) takes a checksum of it, of a TP
-  parameter its TP-local tensor; unless some rank changed it since, the
-  checksums must agree over the data-parallel ranks.
+  each parameter whole, no communication) takes a ``fingerprint`` of it, of
+  a TP parameter its TP-local tensor; those of the ranks whose piece did not
+  change since must agree.
 - *changed on some ranks only*: a parameter whose piece changed since
   ``fully_shard`` (its checksums, taken there too) on some data-parallel
   ranks while on others it was not even written (its version counters
@@ -23,8 +23,11 @@ than one rank, whatever the parameters hold (so that no rank can skip it):
   are at lazy init.
 
 Meta parameters have no checksums (initialized after ``to_empty``, or
-loaded: nothing to compare with), nor have tensor subclasses (float8, NF4). ``check_switches.skip_same_model_check`` turns the check off.
-See "Mistakes fsdp2 stops" in docs/usage.md.
+loaded: nothing to compare with), nor have tensor subclasses (float8, NF4).
+Ranks that are threads of one process (torch's "threaded" test backend)
+share one random generator, so their models differ unless built under one
+lock: they are not checked. ``check_switches.skip_same_model_check`` turns
+the check off. See "Mistakes fsdp2 stops" in docs/usage.md.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from torch.distributed.tensor import DTensor
 
 from .common import MeshInfo, device_from_mesh
 from .markers import BUILT_AS
-from .primitives import Collectives
+from .primitives import Collectives, backend_for
 from .private_api import local_tensor
 
 if TYPE_CHECKING:
@@ -53,9 +56,9 @@ _CHUNK = 1 << 22  # elements checksummed at a time: 32 MiB in float64
 _REPLACED = object()  # no record: the sharded parameter was replaced since fully_shard
 
 # A parameter's row in the all-reduce (see _row): the checksums of its local tensor
-# now, its fingerprint at fully_shard, each as (v, -v); whether its piece changed,
-# whether it stayed untouched (Written); whether its copies on the replicas differ
-# (HSDP, set between the two all-reduces).
+# now and the fingerprint of the whole parameter at fully_shard, each as (v, -v);
+# whether its piece changed, whether it stayed untouched; whether its copies on the
+# replicas differ (HSDP, set between the two all-reduces).
 _NOW, _BUILT = slice(0, 8), slice(8, 12)
 _CHANGED, _UNTOUCHED, _REPLICAS_APART = 12, 13, 14
 _WIDTH = 15
@@ -80,8 +83,8 @@ class BuiltAs(NamedTuple):
 def remember(param: nn.Parameter, fsdp_param: FSDPParam) -> None:
     """At ``fully_shard``: ``param`` is still whole (``fsdp_param`` just made
     its sharded parameter)."""
-    if data_parallel_size(fsdp_param.mesh_info) == 1:
-        return  # nothing to compare with
+    if not _checked(fsdp_param.mesh_info):
+        return
     whole = local_tensor(param) if isinstance(param, DTensor) else param
     summed = not fsdp_param.layout.whole and not whole.is_meta
     summed = summed and type(whole) in (torch.Tensor, nn.Parameter)
@@ -110,7 +113,7 @@ def check_same_model(groups: list[FSDPParamGroup]) -> None:
         for p in group.fsdp_params:
             # Kept no longer than this; none on a parameter replaced since fully_shard.
             record = p.sharded_param.__dict__.pop(BUILT_AS, _REPLACED)
-            if record is None or data_parallel_size(info) == 1:
+            if record is None or not _checked(info):
                 continue
             key = (id(info.shard_group), id(info.replicate_group))
             _, params, records = by_mesh.setdefault(key, (info, [], []))
@@ -120,6 +123,13 @@ def check_same_model(groups: list[FSDPParamGroup]) -> None:
         device = device_from_mesh(info.mesh)
         rows = [_row(p, r, info, device) for p, r in zip(params, records, strict=True)]
         _compare(info, params, torch.stack(rows))
+
+
+def _checked(info: MeshInfo) -> bool:
+    """Whether the ranks of ``info`` are compared: more than one, processes."""
+    if data_parallel_size(info) == 1:
+        return False
+    return backend_for(info.shard_group, info.mesh.device_type) != "threaded"
 
 
 def _row(p: FSDPParam, record: object, info: MeshInfo, device: torch.device) -> torch.Tensor:
@@ -136,8 +146,7 @@ def _row(p: FSDPParam, record: object, info: MeshInfo, device: torch.device) -> 
     if not isinstance(record, BuiltAs):  # replaced since fully_shard: a new one
         row[_CHANGED] = float(local.numel() > 0)
         return row
-    if record.whole is not None:
-        row[_BUILT] = _both(record.whole)
+    changed = False
     if record.piece is not None and local.numel() > 0:  # an empty one holds nothing
         changed = bool(differ(torch.stack([record.piece, fingerprint(local).to(record.piece)]), 0))
         written = record.local is not local or record.versions != (
@@ -146,6 +155,8 @@ def _row(p: FSDPParam, record: object, info: MeshInfo, device: torch.device) -> 
         )
         row[_CHANGED] = float(changed)
         row[_UNTOUCHED] = float(not changed and not written)
+    if record.whole is not None and not changed:  # its piece still as built
+        row[_BUILT] = _both(record.whole)
     return row
 
 
@@ -177,8 +188,18 @@ def _compare(info: MeshInfo, params: list[FSDPParam], rows: torch.Tensor) -> Non
     copies_apart = (whole & _apart(rows[:, _NOW])) | (rows[:, _REPLICAS_APART] > 0)
     if copies_apart.any():
         raise RuntimeError(_copies_message(info, _names(params, copies_apart)))
-    any_changed = rows[:, _CHANGED] > 0
-    some_changed = ~whole & any_changed & (rows[:, _UNTOUCHED] > 0)
+    built_apart = ~whole & _apart(rows[:, _BUILT])
+    if built_apart.any():
+        raise RuntimeError(
+            f"fsdp2: the {data_parallel_size(info)} data-parallel ranks built different "
+            f"models: {some(_names(params, built_apart))} differed when fully_shard took them "
+            "whole, and each rank keeps only its piece, so the model is stitched from "
+            "pieces of different initializations. Build the same model on every rank: "
+            "torch.manual_seed(0) (one seed for all ranks) before building it (a seed per rank "
+            "only afterwards, for data), or load the same checkpoint on every rank before the "
+            "first forward."
+        )
+    some_changed = ~whole & (rows[:, _CHANGED] > 0) & (rows[:, _UNTOUCHED] > 0)
     if some_changed.any():
         raise RuntimeError(
             f"fsdp2: {some(_names(params, some_changed))} changed since fully_shard on some "
@@ -189,17 +210,6 @@ def _compare(info: MeshInfo, params: list[FSDPParam], rows: torch.Tensor) -> Non
             "model.load_state_dict(sd) or set_model_state_dict(model, sd) on all ranks (to "
             "read the file on rank 0 only, pass options=StateDictOptions(full_state_dict=True, "
             "broadcast_from_rank0=True) to set_model_state_dict, still on every rank)."
-        )
-    built_apart = ~whole & ~any_changed & _apart(rows[:, _BUILT])
-    if built_apart.any():
-        raise RuntimeError(
-            f"fsdp2: the {data_parallel_size(info)} data-parallel ranks built different "
-            f"models: {some(_names(params, built_apart))} differed when fully_shard took them "
-            "whole, and each rank keeps only its piece, so the model would be stitched from "
-            "pieces of different initializations. Build the same model on every rank: "
-            "torch.manual_seed(0) (one seed for all ranks) before building it (a seed per rank "
-            "only afterwards, for data), or load the same checkpoint on every rank before the "
-            "first forward."
         )
 
 
