@@ -53,9 +53,10 @@ if TYPE_CHECKING:
 _RTOL = 1e-9
 _NAMES_SHOWN = 5
 _CHUNK = 1 << 22  # elements checksummed at a time: 32 MiB in float64
+_SAMPLE = 1 << 14  # elements a fingerprint reads at most
 _REPLACED = object()  # no record: the sharded parameter was replaced since fully_shard
 
-# A parameter's row in the all-reduce (see _row): the checksums of its local tensor
+# A parameter's row in the all-reduce (see _rows): the checksums of its local tensor
 # now and the fingerprint of the whole parameter at fully_shard, each as (v, -v);
 # whether its piece changed, whether it stayed untouched; whether its copies on the
 # replicas differ (HSDP, set between the two all-reduces).
@@ -121,8 +122,7 @@ def check_same_model(groups: list[FSDPParamGroup]) -> None:
             records.append(record)
     for info, params, records in by_mesh.values():
         device = device_from_mesh(info.mesh)
-        rows = [_row(p, r, info, device) for p, r in zip(params, records, strict=True)]
-        _compare(info, params, torch.stack(rows))
+        _compare(info, params, _rows(params, records, info, device))
 
 
 def _checked(info: MeshInfo) -> bool:
@@ -132,32 +132,40 @@ def _checked(info: MeshInfo) -> bool:
     return backend_for(info.shard_group, info.mesh.device_type) != "threaded"
 
 
-def _row(p: FSDPParam, record: object, info: MeshInfo, device: torch.device) -> torch.Tensor:
-    """This rank's numbers for one parameter, each value as (v, -v) so that
-    MAX gives the highest and (negated) the lowest; -inf where it has none."""
-    row = torch.full((_WIDTH,), float("-inf"), dtype=torch.float64, device=device)
-    row[_REPLICAS_APART] = 0
-    local = local_tensor(p.sharded_param)
-    if _has_copies(p, info) and type(local) is torch.Tensor:
-        row[_NOW] = _both(checksums(local))
-    row[_CHANGED] = row[_UNTOUCHED] = 0
-    if p.layout.whole:
-        return row
-    if not isinstance(record, BuiltAs):  # replaced since fully_shard: a new one
-        row[_CHANGED] = float(local.numel() > 0)
-        return row
-    changed = False
-    if record.piece is not None and local.numel() > 0:  # an empty one holds nothing
-        changed = bool(differ(torch.stack([record.piece, fingerprint(local).to(record.piece)]), 0))
-        written = record.local is not local or record.versions != (
-            p.sharded_param._version,
-            local._version,
+def _rows(
+    params: list[FSDPParam], records: list[object], info: MeshInfo, device: torch.device
+) -> torch.Tensor:
+    """This rank's numbers, a row per parameter (see _NOW...), each value as
+    (v, -v) so that MAX gives the highest and (negated) the lowest; -inf
+    where it has none. Per parameter only its checksums; the rest at once."""
+    none = torch.full((8,), float("-inf"), dtype=torch.float64, device=device)
+    zeros = torch.zeros(2, dtype=torch.float64, device=device)
+    now, built, piece_then, piece_now = [], [], [], []
+    compared, written, replaced = [], [], []
+    for p, record in zip(params, records, strict=True):
+        local = local_tensor(p.sharded_param)
+        copies = _has_copies(p, info) and type(local) is torch.Tensor
+        now.append(_both(checksums(local).to(device)) if copies else none)
+        taken = record if isinstance(record, BuiltAs) and not p.layout.whole else None
+        whole = taken.whole if taken is not None else None
+        piece = taken.piece if taken is not None else None
+        built.append(_both(whole.to(device)) if whole is not None else none[:4])
+        compared.append(piece is not None and local.numel() > 0)  # an empty one holds nothing
+        piece_then.append(piece.to(device) if piece is not None else zeros)
+        piece_now.append(fingerprint(local).to(device) if compared[-1] else zeros)
+        versions = (p.sharded_param._version, local._version)
+        written.append(
+            taken is not None and (taken.local is not local or taken.versions != versions)
         )
-        row[_CHANGED] = float(changed)
-        row[_UNTOUCHED] = float(not changed and not written)
-    if record.whole is not None and not changed:  # its piece still as built
-        row[_BUILT] = _both(record.whole)
-    return row
+        replaced.append(record is _REPLACED and not p.layout.whole and local.numel() > 0)
+    flags = torch.tensor([compared, written, replaced], device=device)
+    changed = flags[0] & differ(torch.stack([torch.stack(piece_then), torch.stack(piece_now)]), 0)
+    untouched = flags[0] & ~changed & ~flags[1]
+    changed |= flags[2]  # a new parameter since fully_shard: loaded
+    # The fingerprints of the wholes where the piece is still as built.
+    built_rows = torch.stack(built).masked_fill(changed[:, None], float("-inf"))
+    columns = [torch.stack(now), built_rows, changed, untouched, torch.zeros_like(changed)]
+    return torch.cat([c.to(torch.float64).reshape(len(params), -1) for c in columns], dim=1)
 
 
 def _has_copies(p: FSDPParam, info: MeshInfo) -> bool:
@@ -262,20 +270,19 @@ def checksums(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def fingerprint(tensor: torch.Tensor) -> torch.Tensor:
-    """(sum, sum of |x|) in float64, on the tensor's device: what tells
-    models initialised apart, in two passes and no float64 copy (a quarter
-    of ``checksums``' time; nothing here is reordered)."""
+    """(sum, sum of |x|) in float64, on the tensor's device, of at most
+    ``_SAMPLE`` elements spread evenly over it: what tells tensors built or
+    loaded apart (a seed or a checkpoint changes every element) at a cost
+    that does not grow with the tensor (a full pass over a model on the CPU
+    took 24 times fully_shard's own time, docs/performance.md)."""
     with torch.no_grad():
         flat = _flat(tensor)
-        total = torch.zeros(2, dtype=torch.float64, device=flat.device)
-        for start in range(0, flat.numel(), _CHUNK):
-            x = flat[start : start + _CHUNK]
-            if x.dtype not in _SUMMED_AS_IS:
-                x = x.to(torch.float64)  # integers, float8: no vector_norm of their own
-            total += torch.stack(
-                [x.sum(dtype=torch.float64), torch.linalg.vector_norm(x, 1, dtype=torch.float64)]
-            )
-        return total
+        x = flat[:: max(1, -(-flat.numel() // _SAMPLE))]
+        if x.dtype not in _SUMMED_AS_IS:
+            x = x.to(torch.float64)  # integers, float8: no vector_norm of their own
+        return torch.stack(
+            [x.sum(dtype=torch.float64), torch.linalg.vector_norm(x, 1, dtype=torch.float64)]
+        )
 
 
 def _flat(tensor: torch.Tensor) -> torch.Tensor:
