@@ -8,7 +8,7 @@ uses that look like them run without an error or a warning:
   HSDP over replicas), a checkpoint loaded on some ranks only, HSDP replicas
   or min_numel_to_shard's whole copies that differ.
 
-One spawn per world size: 2 ranks for FSDP, 4 for HSDP (2 x 2).
+One spawn per world size: 2 ranks for FSDP, 4 for HSDP and TP (2 x 2).
 """
 
 from __future__ import annotations
@@ -40,9 +40,9 @@ from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     set_model_state_dict,
 )
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
-from torch.testing._internal.distributed._tensor.common_dtensor import Transformer
+from torch.testing._internal.distributed._tensor.common_dtensor import ModelArgs, Transformer
 
 import fsdp2
 import fsdp2.mistakes
@@ -367,6 +367,17 @@ def _hsdp(rank: int, world: int) -> None:
             for param in model.parameters():
                 dist.broadcast(param.to_local(), src=source, group=replicas)
             model(batch)
+    tp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    tokens = torch.randint(34, (2, 10), generator=torch.Generator().manual_seed(0))
+    with labelled("TP: the same model, TP-local tensors apart over tp only"), no_warnings():
+        tensor_parallel(0, tp)(tokens)
+    with labelled("TP: a seed per rank"):
+        model = tensor_parallel(rank, tp)
+        with pytest.raises(
+            RuntimeError,
+            match=r"the 2 data-parallel ranks built different models: 'tok_embeddings.weight'",
+        ):
+            model(tokens)
     with labelled("the same model on every rank"), no_warnings():
         model = shard_model(build_model(KIND), mesh=mesh, min_numel_to_shard=THRESHOLD)
         train(model, [make_optimizer(model)], rank, world)
@@ -378,9 +389,20 @@ def _hsdp(rank: int, world: int) -> None:
         assert checks[0] == 2, f"one all-reduce per mesh axis at lazy init, none after: {checks}"
 
 
+def tensor_parallel(seed: int, mesh: DeviceMesh) -> nn.Module:
+    """Built with ``seed``, parallelized over mesh["tp"] (each rank's TP-local
+    tensors from its tp group's first rank), sharded over mesh["dp"]."""
+    torch.manual_seed(seed)
+    args = ModelArgs(n_layers=1, vocab_size=34, max_seq_len=10, dim=16, n_heads=4, dropout_p=0)
+    model = Transformer(args)
+    Transformer.parallelize(model, mesh["tp"], use_seq_parallel=False, local_output_for_attn=True)
+    return shard_model(model, mesh=mesh["dp"])
+
+
 @pytest.mark.distributed
 def test_hsdp_replicas_that_differ(tmp_path: Path) -> None:
-    """Each rank of a 2 x 2 mesh raises, and the same model trains."""
+    """Each rank of a 2 x 2 mesh (HSDP, or dp x tp) raises, and the same model
+    trains."""
     run_ranks(_hsdp, 4, tmp_path)
 
 
