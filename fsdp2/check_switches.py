@@ -10,8 +10,13 @@ communicates or divides.
   collectives all the same (on a one-rank communicator), so that one GPU
   exercises the comm streams, events and copy-in stream; on NCCL a reduction
   then averages in its collectives (``AVG``) as it would on more ranks.
+- ``skip_same_model_check``: the ranks may hold different models at the
+  first forward (same_model.py's check of the checksums ``fully_shard``
+  took, of loads on some ranks only, of HSDP replicas and whole copies is
+  left out, and its all-reduce): for a check that builds a model of its
+  own on each rank on purpose. Call it on every rank.
 
-Call either on a sharded model before its first forward.
+Call any of them on a sharded model before its first forward.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from __future__ import annotations
 import torch.nn as nn
 
 from .device_ops import DeviceOps
+from .same_model import skip
 from .state import FSDPState, get_fsdp_state
 
 
@@ -34,6 +40,13 @@ def force_one_rank_collectives(model: nn.Module, enabled: bool = True) -> None:
     for state in _states(model):
         for group in state.param_groups:
             group.configure(one_rank_collectives=enabled)
+
+
+def skip_same_model_check(model: nn.Module) -> None:
+    """Leaves ``model``'s parameters out of the check, on this rank."""
+    for state in _states(model):
+        for group in state.param_groups:
+            skip(group.fsdp_params)
 
 
 def _states(model: nn.Module) -> list[FSDPState]:

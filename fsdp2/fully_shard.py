@@ -28,6 +28,7 @@ from .policy import (
     OffloadPolicy,
 )
 from .private_api import in_backward, mark_composable_api, module_parameters
+from .same_model import remember
 from .state import FSDPState, get_fsdp_state
 from .state_dict import register_state_dict_hooks
 
@@ -213,19 +214,19 @@ def fully_shard(
         # One group per mesh the call's parameters are sharded over, the call's own first.
         by_mesh: dict[int, list[FSDPParam]] = {}
         for plan in call.params:
-            by_mesh.setdefault(id(plan.mesh_info), []).append(
-                FSDPParam(
-                    plan.param,
-                    plan.fqn,
-                    registrations[id(plan.param)],
-                    plan.layout,
-                    plan.mesh_info,
-                    call.device,
-                    call.mp_policy,
-                    call.offload_policy,
-                    ops=state.root_ctx.comm.ops,
-                )
+            fsdp_param = FSDPParam(
+                plan.param,
+                plan.fqn,
+                registrations[id(plan.param)],
+                plan.layout,
+                plan.mesh_info,
+                call.device,
+                call.mp_policy,
+                call.offload_policy,
+                ops=state.root_ctx.comm.ops,
             )
+            by_mesh.setdefault(id(plan.mesh_info), []).append(fsdp_param)
+            remember(plan.param, fsdp_param)  # still whole here: compared at lazy init
             plan.param.__dict__[SHARDED_AS] = plan.sharded_as
         for fsdp_params in by_mesh.values():
             info = fsdp_params[0].mesh_info

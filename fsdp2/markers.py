@@ -13,6 +13,9 @@ is a dictionary lookup, free for parameters that carry none.
 - ``KEPT_CHUNK``: ``shard_optimizer_over_replicas``: the kept chunk a piece
   built (over_replicas.py), marked stale when an optimizer steps the piece
   (optimizer_hooks.py).
+- ``BUILT_AS``: on a sharded parameter, what ``fully_shard`` took of the
+  parameter it replaced (its checksums, version counters), until the root's
+  lazy init compares it over the ranks (same_model.py); None: not compared.
 """
 
 SHARDED = "_fsdp2_sharded"
@@ -20,3 +23,4 @@ SHARDED_AS = "_fsdp2_sharded_as"
 IGNORED = "_fsdp2_ignored"
 DATA_PARALLEL = "_fsdp2_data_parallel"
 KEPT_CHUNK = "_fsdp2_kept_chunk"
+BUILT_AS = "_fsdp2_built_as"

@@ -174,7 +174,7 @@ class FSDPState:
                 group.reset_sharded_params()
         _check_materialized(root_ctx.groups)
         install_optimizer_hooks()
-        at_lazy_init(root_ctx.groups)  # mistakes.py: replicas that differ
+        at_lazy_init(root_ctx.groups)  # mistakes.py: the ranks hold the same model
         if self.reshard_after_forward_arg is None:
             # The root's parameters are needed again first thing in backward.
             for group in self.param_groups:

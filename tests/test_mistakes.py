@@ -1,12 +1,14 @@
-"""Three mistakes that used to train silently wrong now stop at the first forward
-or optimizer step (fsdp2/mistakes.py), and the legitimate uses that look like
-them run without an error or a warning:
+"""Mistakes that used to train silently wrong now stop at the first forward or
+optimizer step (fsdp2/mistakes.py, fsdp2/same_model.py), and the legitimate
+uses that look like them run without an error or a warning:
 
 - a root left unsharded (its parameters trained apart on each rank),
 - an optimizer built before fully_shard (stepping the replaced parameters),
-- HSDP replicas, or min_numel_to_shard's whole copies, built differently.
+- ranks that hold different models: built with a seed per rank (FSDP, HSDP,
+  HSDP over replicas), a checkpoint loaded on some ranks only, HSDP replicas
+  or min_numel_to_shard's whole copies that differ.
 
-One spawn per world size: 2 ranks for FSDP, 4 for HSDP (2 x 2).
+One spawn per world size: 2 ranks for FSDP, 4 for HSDP and TP (2 x 2).
 
 A model mixing fsdp2 with torch's own fully_shard stops with one error from
 fsdp2 that says to use one implementation (fsdp2/torch_fsdp.py): in one
@@ -29,6 +31,8 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from dist import labelled, run_ranks
 from models import (
+    SEQ_LEN,
+    VOCAB_SIZE,
     build_model,
     global_batch,
     local_batch,
@@ -45,10 +49,12 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
-from torch.testing._internal.distributed._tensor.common_dtensor import Transformer
+from torch.testing._internal.distributed._tensor.common_dtensor import ModelArgs, Transformer
 
 import fsdp2
 import fsdp2.mistakes
+import fsdp2.same_model
+from fsdp2.check_switches import skip_same_model_check
 
 KIND = "transformer_untied"  # a root with parameters of its own: embeddings, norm, head
 THRESHOLD = 100  # min_numel_to_shard: biases and norm weights stay whole on every rank
@@ -66,19 +72,27 @@ def no_warnings() -> Iterator[None]:
 
 @contextlib.contextmanager
 def counted_checks() -> Iterator[list[int]]:
-    """Counts the checks' collectives (``fsdp2.mistakes._gather``) while active."""
+    """Counts the checks' collectives while active: the optimizer check's
+    (``fsdp2.mistakes._gather``) and the lazy init's all-reduces
+    (``fsdp2.same_model._max_over``)."""
     calls = [0]
-    original = fsdp2.mistakes._gather
+    patched = [(fsdp2.mistakes, "_gather"), (fsdp2.same_model, "_max_over")]
+    originals = [getattr(module, name) for module, name in patched]
 
-    def counting(*args, **kwargs):
-        calls[0] += 1
-        return original(*args, **kwargs)
+    def counting(original):
+        def counted(*args, **kwargs):
+            calls[0] += 1
+            return original(*args, **kwargs)
 
-    fsdp2.mistakes._gather = counting
+        return counted
+
+    for (module, name), original in zip(patched, originals, strict=True):
+        setattr(module, name, counting(original))
     try:
         yield calls
     finally:
-        fsdp2.mistakes._gather = original
+        for (module, name), original in zip(patched, originals, strict=True):
+            setattr(module, name, original)
 
 
 def train(model: nn.Module, optims: list[torch.optim.Optimizer], rank: int, world: int) -> None:
@@ -138,6 +152,32 @@ def _mistakes(rank: int, world: int) -> None:
             r".* Build the optimizer after fully_shard",
         ):
             optim.step()
+    with labelled("ranks seeded apart"):
+        model = shard_model(built_on_rank(rank))
+        with pytest.raises(
+            RuntimeError,
+            match=r"the 2 data-parallel ranks built different models: 'tok_embeddings.weight', "
+            r".* \(and \d+ more\) differed when fully_shard took them whole, .* Build the same "
+            r"model on every rank: torch.manual_seed\(0\)",
+        ):
+            model(batch[0])
+    with labelled("ranks seeded apart, the check switched off"), counted_checks() as checks:
+        model = shard_model(built_on_rank(rank))
+        skip_same_model_check(model)  # on every rank
+        model(batch[0])
+        assert checks[0] == 0, f"no all-reduce: {checks}"
+    with labelled("a checkpoint loaded on rank 0 only"):
+        checkpoint = built_on_rank(7).state_dict()
+        model = shard_model(build_model(KIND))
+        if rank == 0:
+            model.load_state_dict(checkpoint)
+        with pytest.raises(
+            RuntimeError,
+            match=r"'tok_embeddings.weight', .* changed since fully_shard on some of the 2 "
+            r"data-parallel ranks and were not even written on others .* Load on every rank, "
+            r"before the first forward",
+        ):
+            model(batch[0])
     with labelled("min_numel_to_shard copies differ"):
         torch.manual_seed(rank)  # a seed per rank
         model = shard_model(TwoLayers(), min_numel_to_shard=THRESHOLD)
@@ -170,11 +210,11 @@ def _legitimate(rank: int, world: int, tmp: Path) -> None:
         model = shard_model(build_model("mlp"))
         optim = make_optimizer(model)
         with counted_checks() as checks:
-            for step in range(2):
+            for step in range(3):
                 mean_loss(model, *local_batch(global_batch("mlp", step), rank, world)).backward()
                 optim.step()
                 optim.zero_grad()
-        assert checks[0] == 0, f"plain FSDP, sharded parameters only: no collective, {checks[0]}"
+                assert checks[0] == 1, f"step {step}: one all-reduce at lazy init, {checks[0]}"
     with labelled("two roots on purpose, sharing a comm context"), no_warnings():
         first, second = shard_model(build_model(KIND)), shard_model(build_model(KIND))
         fsdp2.share_comm_ctx([first, second])
@@ -214,7 +254,9 @@ def _legitimate(rank: int, world: int, tmp: Path) -> None:
                         param.grad /= world
                 optim.step()
                 optim.zero_grad()
-        assert checks[0] == 1, f"one check at the first step, then none: {checks[0]}"
+        # Each block is a root of its own: one all-reduce at each lazy init, one
+        # all-gather at the first step, then none.
+        assert checks[0] == len(model.layers) + 1, checks
     with labelled("min_numel_to_shard, loaded after fully_shard"), no_warnings():
         # Other values on each rank: the load makes them equal.
         model = shard_model(built_on_rank(rank), min_numel_to_shard=THRESHOLD)
@@ -240,6 +282,24 @@ def _legitimate(rank: int, world: int, tmp: Path) -> None:
             assert not full, "cpu_offload=True: a full model on rank 0 only"
             for p in model.parameters():
                 p.full_tensor()  # rank 0's full_tensor() calls, matched
+    with labelled("meta init, then initialised on the sharded parameters"), no_warnings():
+        with torch.device("meta"):
+            model = shard_model(build_model(KIND))
+        model.to_empty(device="cpu")
+        torch.manual_seed(0)
+        for module in model.modules():
+            if hasattr(module, "reset_parameters"):
+                module.reset_parameters()
+        torch.manual_seed(rank)  # for data only, after the model is built
+        model(torch.randint(VOCAB_SIZE, (2, SEQ_LEN)))
+    with labelled("a full checkpoint read on rank 0, broadcast"), no_warnings():
+        full = build_model(KIND).state_dict() if rank == 0 else {}
+        with torch.device("meta"):
+            model = shard_model(build_model(KIND))
+        model.to_empty(device="cpu")
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        set_model_state_dict(model, full, options=options)
+        train(model, [make_optimizer(model)], rank, world)
 
 
 @pytest.mark.distributed
@@ -271,13 +331,85 @@ def _hsdp(rank: int, world: int) -> None:
                 model.layers[1].feed_forward.w2.weight.to_local().add_(1e-3)
         with pytest.raises(RuntimeError, match=r"replicas hold .*: 'layers.1.feed_forward.w2"):
             model(global_batch(KIND, 0)[0])
+    batch = global_batch(KIND, 0)[0]
+    checkpoint = built_on_rank(7).state_dict()  # the same on every rank
+    with labelled("a checkpoint loaded on shard 0 of each replica: copies alike, stitched"):
+        model = shard_model(build_model(KIND), mesh=mesh)
+        if mesh.get_local_rank("shard") == 0:
+            model.load_state_dict(checkpoint)
+        with pytest.raises(RuntimeError, match=r"changed since fully_shard on some of the 4 "):
+            model(batch)
+    over_replicas = {"mesh": mesh, "shard_optimizer_over_replicas": True}
+    with labelled("over replicas, a seed per rank"):
+        model = shard_model(built_on_rank(rank), **over_replicas)
+        with pytest.raises(
+            RuntimeError,
+            match=r"the 4 data-parallel ranks built different models: 'tok_embeddings.weight', "
+            r".* differed when fully_shard took them whole",
+        ):
+            model(batch)
+    with labelled("over replicas, a checkpoint loaded on one replica only"):
+        model = shard_model(build_model(KIND), **over_replicas)
+        if rank < world // 2:
+            model.load_state_dict(checkpoint)
+        with pytest.raises(
+            RuntimeError,
+            match=r"'tok_embeddings.weight', .* changed since fully_shard on some of the 4 "
+            r"data-parallel ranks and were not even written on others",
+        ):
+            model(batch)
+    replicas = mesh.get_group("replicate")
+    source = dist.get_process_group_ranks(replicas)[0]
+    for label, load in (("overwritten", False), ("loaded", True)):
+        with labelled(f"replica 1 {label}, then replica 0 broadcast"), no_warnings():
+            # torch's recipe for replicas made alike after fully_shard (its
+            # test_hsdp_broadcast_across_replicas): a broadcast bumps no version counter.
+            model = shard_model(build_model(KIND), mesh=mesh)
+            if mesh.get_local_rank("replicate") > 0:
+                with torch.no_grad():
+                    for param in model.parameters():
+                        param.to_local().fill_(1337)
+            elif load:
+                model.load_state_dict(checkpoint)
+            for param in model.parameters():
+                dist.broadcast(param.to_local(), src=source, group=replicas)
+            model(batch)
+    tp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    tokens = torch.randint(34, (2, 10), generator=torch.Generator().manual_seed(0))
+    with labelled("TP: the same model, TP-local tensors apart over tp only"), no_warnings():
+        tensor_parallel(0, tp)(tokens)
+    with labelled("TP: a seed per rank"):
+        model = tensor_parallel(rank, tp)
+        with pytest.raises(
+            RuntimeError,
+            match=r"the 2 data-parallel ranks built different models: 'tok_embeddings.weight'",
+        ):
+            model(tokens)
     with labelled("the same model on every rank"), no_warnings():
         model = shard_model(build_model(KIND), mesh=mesh, min_numel_to_shard=THRESHOLD)
         train(model, [make_optimizer(model)], rank, world)
+    with labelled("over replicas, a seed per rank, a checkpoint loaded on every rank"):
+        with no_warnings(), counted_checks() as checks:
+            model = shard_model(built_on_rank(rank), **over_replicas)
+            model.load_state_dict(checkpoint)
+            train(model, [make_optimizer(model)], rank, world)
+        assert checks[0] == 2, f"one all-reduce per mesh axis at lazy init, none after: {checks}"
+
+
+def tensor_parallel(seed: int, mesh: DeviceMesh) -> nn.Module:
+    """Built with ``seed``, parallelized over mesh["tp"] (each rank's TP-local
+    tensors from its tp group's first rank), sharded over mesh["dp"]."""
+    torch.manual_seed(seed)
+    args = ModelArgs(n_layers=1, vocab_size=34, max_seq_len=10, dim=16, n_heads=4, dropout_p=0)
+    model = Transformer(args)
+    Transformer.parallelize(model, mesh["tp"], use_seq_parallel=False, local_output_for_attn=True)
+    return shard_model(model, mesh=mesh["dp"])
 
 
 @pytest.mark.distributed
 def test_hsdp_replicas_that_differ(tmp_path: Path) -> None:
+    """Each rank of a 2 x 2 mesh (HSDP, or dp x tp) raises, and the same model
+    trains."""
     run_ranks(_hsdp, 4, tmp_path)
 
 
