@@ -15,7 +15,7 @@ its own code first sees it:
   (docs/usage.md lists its messages).
 
 torch's modules are recognised by their class (torch's ``FSDPModule`` in the
-MRO, by name and module) and by the marker torch's FSDP sets on every module
+MRO, by name and module) and by the markers torch's FSDP sets on every module
 it manages; fsdp2 sets neither.
 """
 
@@ -26,9 +26,11 @@ from collections.abc import Iterable
 import torch.nn as nn
 
 TORCH_FSDP = "torch.distributed.fsdp"
-# Set (to True) by torch's fully_shard, and by its FSDP1 wrapper, on each module
-# whose parameters it manages, for dynamo.
-_TORCH_MANAGED = "_is_fsdp_managed_module"
+# Set (to True) together by torch's fully_shard on each
+# module whose parameters it manages, for dynamo. Libraries set the first alone
+# on a model they sharded with whichever fully_shard they were given
+# (transformers' FSDP loading, on the root): the pair is torch's.
+_TORCH_MARKS = ("_is_fsdp_managed_module", "_fsdp_use_orig_params")
 
 USE_ONE = (
     "Use one implementation for the whole model: fsdp2.fully_shard on every block and on "
@@ -52,7 +54,10 @@ def torch_fsdp_class(module: nn.Module) -> type | None:
 def managed_by_torch_fsdp(module: nn.Module) -> bool:
     """Whether torch's FSDP shards ``module``'s parameters (applied to it or to
     a module containing it)."""
-    return torch_fsdp_class(module) is not None or module.__dict__.get(_TORCH_MANAGED) is True
+    if torch_fsdp_class(module) is not None:
+        return True
+    marks = module.__dict__
+    return all(marks.get(name) is True for name in _TORCH_MARKS)
 
 
 def check_no_torch_fsdp_inside(named_modules: Iterable[tuple[str, nn.Module]]) -> None:
