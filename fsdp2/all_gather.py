@@ -178,6 +178,12 @@ class AllGatherComm:
         # and their slots' elements.
         self._kept_outputs: tuple[list[torch.Tensor], list[int]] | None = None
 
+    def forget_kept(self) -> None:
+        """Drops the kept inputs and outputs (after ``model.to()`` replaced the
+        shards: the old ones' memory goes now, not at the next all-gather)."""
+        self._kept = None
+        self._kept_outputs = None
+
     def inputs(self, params: list[FSDPParam], comm: CommContext, name: str) -> AllGatherInputs:
         """What this rank contributes for ``params`` (a group's sharded ones)."""
         kept = self._kept

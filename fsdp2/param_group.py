@@ -252,6 +252,9 @@ class FSDPParamGroup:
         ``FSDPParam.reset_sharded_param``)."""
         for fsdp_param in self.fsdp_params:
             fsdp_param.reset_sharded_param(self.root_ctx.comm.ops)
+        self.comms.all_gather.forget_kept()
+        if self.comms.post_forward_all_gather is not None:
+            self.comms.post_forward_all_gather.forget_kept()
         self.clear_divide_plan()  # the reduce dtype may have changed
 
     def _to_sharded(self) -> None:

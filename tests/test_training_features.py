@@ -16,7 +16,9 @@ collectives, so only fsdp2's are recorded).
 from __future__ import annotations
 
 import contextlib
+import gc
 import math
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,6 +63,7 @@ from torch.testing._internal.distributed._tensor.common_dtensor import (
 
 import fsdp2
 from fsdp2.common import ShardedState
+from fsdp2.private_api import local_tensor
 
 WORLD_SIZE = 2
 KIND = "transformer_untied"
@@ -947,6 +950,20 @@ def test_unshard_handle_waited_after_forward(fake_mesh: DeviceMesh, shard) -> No
     loss = mean_loss(model, *global_batch("mlp", 1))
     handle.wait()
     loss.backward()
+
+
+def test_cast_after_forward_frees_old_shards(fake_mesh: DeviceMesh) -> None:
+    """``model.to(dtype)`` after a step (shards replaced): nothing of fsdp2 holds
+    the old shards (the all-gather's kept inputs let go at once), so their
+    memory is free before the next forward."""
+    model = shard_model(build_model("mlp"), mesh=fake_mesh)
+    mean_loss(model, *global_batch("mlp", 0)).backward()
+    model.zero_grad(set_to_none=True)
+    old = [weakref.ref(local_tensor(p)) for p in model.parameters()]
+    model.to(torch.float64)
+    gc.collect()
+    held = [i for i, ref in enumerate(old) if ref() is not None]
+    assert not held, f"old shards still held: {held} of {len(old)}"
 
 
 # -- activation checkpointing, forward methods --------------------------------
