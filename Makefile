@@ -15,7 +15,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 test: setup
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=20 tests
 
 test-fast: setup
 	$(PY) -m pytest -q tests -m "not distributed"

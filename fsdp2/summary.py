@@ -128,7 +128,9 @@ def print_summary(rows: list[GroupSummary]) -> None:
     )
     console = Console()
     if not console.is_terminal:
-        console = Console(width=160)  # logs and pipes: do not squeeze the columns
+        # Logs and pipes have no width: as wide as the table wants, no column squeezed.
+        wide = Console(width=100_000)
+        console = Console(width=wide.measure(table).maximum)
     console.print(table)
 
 

@@ -15,7 +15,7 @@ import io
 import logging
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -35,6 +35,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 import fsdp2
 from fsdp2.stats import KINDS
+from fsdp2.summary import print_summary
 
 KIND = "transformer_untied"
 N_LAYERS = 2
@@ -157,6 +158,10 @@ def test_summary_prints_table(fake_mesh: DeviceMesh, capsys: pytest.CaptureFixtu
         line = next(line for line in out.splitlines() if f" {row.module or '(root)'} " in line)
         assert f"{row.numel:,}" in line and "(Shard(dim=0),)" in line, line
     assert "unsharded" in out and "on this rank" in out, out  # the totals caption
+    # Off a terminal (captured here) no column is cut, however wide the table.
+    long_name = "model." + ".".join(f"block_{i}" for i in range(30))
+    print_summary([replace(rows[0], module=long_name)])
+    assert f" {long_name} " in capsys.readouterr().out
 
 
 def test_summary_of_unsharded_model_is_empty(fake_mesh: DeviceMesh) -> None:
