@@ -213,6 +213,7 @@ def fully_shard(
         registrations = _registrations(modules, call.params)
         # One group per mesh the call's parameters are sharded over, the call's own first.
         by_mesh: dict[int, list[FSDPParam]] = {}
+        taken: list[tuple[nn.Parameter, FSDPParam]] = []
         for plan in call.params:
             fsdp_param = FSDPParam(
                 plan.param,
@@ -226,8 +227,9 @@ def fully_shard(
                 ops=state.root_ctx.comm.ops,
             )
             by_mesh.setdefault(id(plan.mesh_info), []).append(fsdp_param)
-            remember(plan.param, fsdp_param)  # still whole here: compared at lazy init
+            taken.append((plan.param, fsdp_param))
             plan.param.__dict__[SHARDED_AS] = plan.sharded_as
+        remember(taken)  # each still whole here: compared at lazy init
         for fsdp_params in by_mesh.values():
             info = fsdp_params[0].mesh_info
             reshard, small_group = call.post_forward[id(info)]
