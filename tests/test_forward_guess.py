@@ -97,6 +97,7 @@ def test_wrong_guess_is_dropped_off_the_compute_stream() -> None:
         finally:
             FakeStream.wait_event, FSDPParamGroup.cancel_unshard = wait_event, cancel
     assert dropped, "a wrong guess should have been dropped"
+
     def is_dropped(event: object) -> bool:
         return any(event is d for d in dropped)
 
