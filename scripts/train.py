@@ -99,6 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--replicate",
         type=int,
         default=1,
+        metavar="R",
         help="HSDP: R replicas of the model, each sharded over world size / R ranks; the "
         "all-gathers stay inside a replica (default: 1, every rank shards one copy)",
     )
