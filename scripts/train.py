@@ -56,9 +56,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 import fsdp2
 
-sys.path.insert(
-    0, str(Path(__file__).resolve().parent)
-)  # for `llama`, `step_checkpoints` when imported by path
+# For `llama` and `step_checkpoints` when this file is imported by path.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 import step_checkpoints  # noqa: E402
 from llama import Llama, LlamaConfig, init_weights  # noqa: E402
 from step_checkpoints import latest_checkpoint  # noqa: E402
