@@ -5,6 +5,7 @@ byte by byte, sharded with fsdp2.
     python scripts/train.py --nproc 2            # the same without make (spawns its ranks)
     torchrun --nproc-per-node 8 scripts/train.py --device cuda --bf16
     torchrun --nproc-per-node 8 scripts/train.py --device cuda --bf16 --compile
+    torchrun --nnodes 2 --nproc-per-node 8 ... scripts/train.py --replicate 2   # HSDP
     python scripts/train.py --resume --run-dir runs/20260101-120000 --steps 600
 
 Every transformer block is its own ``fully_shard`` group and the root holds
@@ -12,14 +13,18 @@ the embeddings, final norm and head; the model is built on the meta device and
 only this rank's shards are ever allocated. AdamW with warm-up and cosine
 decay, optional bf16 compute (``--bf16``), gradient accumulation without
 gradient sync on all but the last micro-batch (``--grad-accum``) and
-``torch.compile`` of each block before it is sharded (``--compile``).
+``torch.compile`` of each block before it is sharded (``--compile``); HSDP
+with ``--replicate R`` (R replicas, each sharded over world size / R ranks).
 
 The run folder (``--run-dir``, default ``runs/<timestamp>``) receives
 ``config.json``, ``metrics.jsonl`` (one line per step), ``loss.png``,
 ``sample.txt`` and ``checkpoints/step_NNNNNN/`` (torch.distributed.checkpoint,
-loadable at any world size). ``--resume`` continues from the latest checkpoint
-with the same losses as an uninterrupted run: the batch of step ``s`` is a
-function of ``(seed, s)`` alone, and each rank takes its slice of it.
+loadable at any world size and mesh). A checkpoint is written as
+``step_NNNNNN.partial/`` and renamed once every rank has written its part, so a
+run killed mid-save leaves the previous one complete (step_checkpoints.py).
+``--resume`` continues from the latest complete checkpoint (removing unfinished
+ones) with the same losses as an uninterrupted run: the batch of step ``s`` is
+a function of ``(seed, s)`` alone, and each rank takes its slice of it.
 
 Without torchrun the script spawns ``--nproc`` ranks itself (a ``file://``
 store, no ports); under torchrun it uses the ``env://`` variables torchrun sets.
@@ -51,8 +56,11 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 import fsdp2
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # for `llama` when imported by path
+# For `llama` and `step_checkpoints` when this file is imported by path.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import step_checkpoints  # noqa: E402
 from llama import Llama, LlamaConfig, init_weights  # noqa: E402
+from step_checkpoints import latest_checkpoint  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_DATA = REPO / "data" / "kjv.txt"
@@ -86,6 +94,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--threads", type=int, default=1, help="torch threads per CPU rank (default: 1)"
     )
     launch.add_argument("--timeout", type=float, default=300, help="process group timeout, seconds")
+    launch.add_argument(
+        "--replicate",
+        type=int,
+        default=1,
+        metavar="R",
+        help="HSDP: R replicas of the model, each sharded over world size / R ranks; the "
+        "all-gathers stay inside a replica (default: 1, every rank shards one copy)",
+    )
 
     model = p.add_argument_group("model")
     model.add_argument("--dim", type=int, default=128)
@@ -179,7 +195,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
     for name in (
         *("steps", "seq_len", "global_batch", "grad_accum", "threads", "dim", "layers"),
-        "log_every",
+        *("log_every", "replicate"),
     ):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
@@ -190,6 +206,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         model_config(args)
     except ValueError as e:
         p.error(f"--dim {args.dim} / --heads {args.heads}: {e}")
+    if args.world_size % args.replicate:
+        p.error(
+            f"--replicate {args.replicate} does not divide world size {args.world_size}: "
+            "every replica shards the model over the same number of ranks"
+        )
     per_step = args.world_size * args.grad_accum
     if args.global_batch % per_step:
         up = per_step * math.ceil(args.global_batch / per_step)
@@ -255,10 +276,12 @@ def _merge_saved_config(
         p.error("--resume needs --run-dir, the run folder to continue (e.g. runs/20260101-120000)")
     run_dir = Path(args.run_dir)
     if latest_checkpoint(run_dir) is None:
+        unfinished = step_checkpoints.partial_checkpoints(run_dir)
         p.error(
-            f"--resume: no checkpoint in {run_dir / 'checkpoints'} (a finished one is a "
-            "step_NNNNNN folder with a .metadata file). Check --run-dir, or drop --resume to "
-            "start a new run."
+            f"--resume: no complete checkpoint in {run_dir / 'checkpoints'} (a complete one "
+            "is a step_NNNNNN folder with a .metadata file"
+            + (f"; {', '.join(f.name for f in unfinished)} did not finish" if unfinished else "")
+            + "). Check --run-dir, or drop --resume to start a new run."
         )
     config_file = run_dir / "config.json"
     saved = json.loads(config_file.read_text()) if config_file.is_file() else {}
@@ -407,13 +430,6 @@ def exposed_comm_seconds(steps: list[dict[str, fsdp2.stats.GroupStats]]) -> floa
 # -- run folder -----------------------------------------------------------------
 
 
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    """The highest ``step_NNNNNN`` folder with a ``.metadata`` file (DCP writes it last)."""
-    folders = run_dir.glob("checkpoints/step_*/.metadata")
-    finished = [m.parent for m in folders if m.parent.name.removeprefix("step_").isdigit()]
-    return max(finished, key=lambda f: int(f.name.removeprefix("step_")), default=None)
-
-
 def read_metrics(path: Path) -> list[dict[str, Any]]:
     if not path.is_file():
         return []
@@ -457,7 +473,7 @@ class Trainer:
         self.is_main = self.rank == 0
         self.run_dir = Path(self._agree_on_run_dir(args.run_dir))
         self.corpus = Corpus(Path(args.data), args.seq_len, args.global_batch, args.seed)
-        self.mesh = init_device_mesh(device.type, (self.world_size,))
+        self.mesh = self._build_mesh(args.replicate)
         self.model = self._build_model(self.mesh)
         decay = [p for p in self.model.parameters() if p.ndim >= 2]
         no_decay = [p for p in self.model.parameters() if p.ndim < 2]  # norm weights
@@ -486,6 +502,17 @@ class Trainer:
             dist.broadcast_object_list(name, src=0)
             run_dir = name[0]
         return run_dir
+
+    def _build_mesh(self, replicate: int) -> DeviceMesh:
+        """1D: every rank shards the model. 2D (HSDP): ``replicate`` copies, each
+        sharded over world size / replicate ranks (consecutive ranks: one node)."""
+        if replicate == 1:
+            return init_device_mesh(self.device.type, (self.world_size,))
+        return init_device_mesh(
+            self.device.type,
+            (replicate, self.world_size // replicate),
+            mesh_dim_names=("replicate", "shard"),
+        )
 
     def _build_model(self, mesh: DeviceMesh) -> Llama:
         """Meta-device construction, per-block groups plus the root, then this rank's
@@ -539,9 +566,7 @@ class Trainer:
         return {"model": model_sd, "optim": optim_sd, "trainer": self._trainer_state()}
 
     def save_checkpoint(self) -> Path:
-        path = self.run_dir / "checkpoints" / f"step_{self.step:06d}"
-        dcp.save(self._checkpoint_state(), checkpoint_id=path)
-        return path
+        return step_checkpoints.save(self._checkpoint_state(), self.run_dir, self.step)
 
     def load_checkpoint(self, path: Path) -> None:
         state = self._checkpoint_state()  # the template dcp.load fills in place
@@ -591,8 +616,11 @@ class Trainer:
         if self.is_main:
             self._prepare_run_dir()
             resume_from = [latest_checkpoint(self.run_dir) if args.resume else None]
+            for folder in step_checkpoints.remove_partial(self.run_dir):
+                self._print(f"[yellow]removed {folder}[/]: a save that did not finish")
         # Rank 0 picks the checkpoint for all (a shared file system may lag on
-        # some nodes); the broadcast also orders every write after the mkdir.
+        # some nodes); the broadcast also orders every write after the mkdir
+        # and the removal of unfinished saves.
         dist.broadcast_object_list(resume_from, src=0)
         self._print_header()
         fsdp2.summary(self.model)  # prints on rank 0 only
@@ -731,11 +759,13 @@ class Trainer:
     def _print_header(self) -> None:
         args = self.args
         n_params = sum(p.numel() for p in self.model.parameters())
+        r = args.replicate
+        hsdp = f" (HSDP: {r} replicas x {self.world_size // r} shards)" if r > 1 else ""
         self._print(
             f"[bold]fsdp2 demo[/]: Llama {args.layers}x{args.dim} ({args.heads} heads, "
             f"{n_params / 1e6:.2f}M params{', tied head' if args.tie_embeddings else ''}) on "
             f"{Path(args.data).name} ({self.corpus.tokens.numel():,} bytes), "
-            f"{self.world_size} x {self.device.type} ranks, "
+            f"{self.world_size} x {self.device.type} ranks{hsdp}, "
             f"{args.global_batch} x {args.seq_len} tokens per step"
             f"{f' in {args.grad_accum} micro-batches' if args.grad_accum > 1 else ''}, "
             f"{'bf16' if args.bf16 else 'fp32'}, "
