@@ -24,8 +24,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torchft import Manager, ProcessGroupGloo
+from torchft.process_group import ManagedProcessGroup
 
 DIM = 16
 
@@ -47,10 +48,14 @@ class Net(nn.Module):
         return self.head(x)
 
 
-def shard(model: Net, fully_shard: Callable[..., Any]) -> list[nn.Module]:
-    """Shards ``model`` over this replica group (its default group) with
-    ``fully_shard`` (fsdp2's or torch's) and returns the sharded modules."""
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("shard",))
+def shard(
+    model: Net, fully_shard: Callable[..., Any], mesh: DeviceMesh | None = None
+) -> list[nn.Module]:
+    """Shards ``model`` with ``fully_shard`` (fsdp2's or torch's) over this
+    replica group (its default group), or over ``mesh``, a mesh of the
+    replica group's ranks; returns the sharded modules."""
+    if mesh is None:
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("shard",))
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -63,8 +68,11 @@ def sync_across_replica_groups(sharded: list[nn.Module], manager: Manager) -> No
     a failed peer is reported to the manager instead of raising, and the step
     is then not committed)."""
 
+    replicas = ManagedProcessGroup(manager)
+    replicas.register("replicate")
+
     def all_reduce(output: torch.Tensor) -> None:
-        manager.allreduce(output).wait()
+        dist.all_reduce(output, group=replicas, op=dist.ReduceOp.AVG)
 
     for module in sharded:
         module.set_all_reduce_hook(all_reduce)  # type: ignore[operator]

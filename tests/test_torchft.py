@@ -30,6 +30,7 @@ import time
 import traceback
 import urllib.request
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,7 @@ import dist as dist_harness
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard  # the reference only
 from torch.distributed.tensor import DTensor
 
@@ -65,9 +67,7 @@ SCENARIO_TIMEOUT_S = 120.0
 GROUPS = {"A": (0, (0, JOIN_STEP)), "B": (1, (0,)), "C": (1, (0,))}
 
 
-def _rank(
-    impl: str, name: str, rank: int, store_port: int, lighthouse: str, out: Path
-) -> None:
+def _rank(impl: str, name: str, rank: int, store_port: int, lighthouse: str, out: Path) -> None:
     try:
         _train(impl, name, rank, store_port, lighthouse, out)
     except BaseException:
@@ -91,7 +91,13 @@ def _train(impl: str, name: str, rank: int, store_port: int, lighthouse: str, ou
     )
     torch.manual_seed(0)
     model = Net()
-    sharded = shard(model, fsdp2.fully_shard if impl == "fsdp2" else torch_fully_shard)
+    if impl == "torch":
+        sharded = shard(model, torch_fully_shard)
+    elif impl == "fsdp2":
+        sharded = shard(model, fsdp2.fully_shard)
+    else:  # inside the replica group, HSDP (2 replicas x 1) with the optimizer over both
+        mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
+        sharded = shard(model, partial(fsdp2.fully_shard, shard_optimizer_over_replicas=True), mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     manager = make_manager(model, optimizer, f"replica{replica}", lighthouse, store_port)
     sync_across_replica_groups(sharded, manager)
@@ -277,3 +283,28 @@ def test_kill_and_heal_as_torch(tmp_path: Path) -> None:
     assert logs == reference["logs"]
     for name, state in ours["states"].items():
         _assert_same_state(state, reference["states"][name], f"{name}: fsdp2 vs torch")
+
+    # shard_optimizer_over_replicas inside each replica group: every group still
+    # holds a whole copy, so C heals from A's pieces; 2 replicas x 1 sums what
+    # 1D FSDP over 2 ranks sums, so the curves are torch's to the bit.
+    pieces = _run("over_replicas", tmp_path / "over_replicas")
+    assert pieces["logs"] == reference["logs"]
+    for name, state in pieces["states"].items():
+        _assert_same_state(state, reference["states"][name], f"{name}: over replicas vs torch")
+
+
+def test_over_replicas_refuses_torchft_replicas() -> None:
+    """shard_optimizer_over_replicas across torchft's replica groups (a mesh
+    whose replicate axis is torchft's process group) is refused in fully_shard."""
+    from torchft.process_group import ProcessGroupGloo
+
+    with dist_harness.fake_world(1):
+        replicas = ProcessGroupGloo().register("test_over_replicas_refuses_torchft")
+        mesh = DeviceMesh.from_group(
+            [replicas, dist.group.WORLD],
+            "cpu",
+            mesh=torch.tensor([[0]]),
+            mesh_dim_names=("replicate", "shard"),
+        )
+        with pytest.raises(ValueError, match="cannot split the optimizer across torchft's"):
+            fsdp2.fully_shard(Net(), mesh=mesh, shard_optimizer_over_replicas=True)
