@@ -64,10 +64,10 @@ def shard(
 
 def sync_across_replica_groups(sharded: list[nn.Module], manager: Manager) -> None:
     """Each sharded module's reduce-scattered gradients are averaged across the
-    replica groups of the current quorum by torchft (``Manager.allreduce``:
-    a failed peer is reported to the manager instead of raising, and the step
-    is then not committed)."""
-
+    replica groups of the current quorum by torchft: an all-reduce on its
+    ``ManagedProcessGroup`` is ``Manager.allreduce``, which waits for the
+    quorum, and reports a failed peer to the manager instead of raising (the
+    step is then not committed)."""
     replicas = ManagedProcessGroup(manager)
     replicas.register("replicate")
 

@@ -22,6 +22,7 @@ A and C must hold equal parameters and optimizer states.
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import re
@@ -291,6 +292,14 @@ def test_kill_and_heal_as_torch(tmp_path: Path) -> None:
     assert pieces["logs"] == reference["logs"]
     for name, state in pieces["states"].items():
         _assert_same_state(state, reference["states"][name], f"{name}: over replicas vs torch")
+
+
+def test_usage_quotes_the_example() -> None:
+    """docs/usage.md ("Fault-tolerant HSDP with torchft") shows the code the
+    scenario runs."""
+    usage = (Path(__file__).resolve().parent.parent / "docs" / "usage.md").read_text()
+    for function in (shard, sync_across_replica_groups, make_manager, train_step):
+        assert inspect.getsource(function) in usage, f"docs/usage.md lacks {function.__name__}"
 
 
 def test_over_replicas_refuses_torchft_replicas() -> None:
