@@ -110,6 +110,7 @@ def _train(impl: str, name: str, rank: int, store_port: int, lighthouse: str, ou
         inputs, targets = batch(replica, rank, step)
         if name == "B" and step == KILL_STEP:
             manager.start_quorum()
+            manager.wait_quorum()  # A's step 3 is with B, whose ranks die in it
             model(inputs)  # forward, then killed before backward
             (out / f"stopped-{name}{rank}").touch()
             time.sleep(SCENARIO_TIMEOUT_S)
