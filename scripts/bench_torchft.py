@@ -8,7 +8,8 @@ rank 0): the quorum (``start_quorum`` then ``wait_quorum``, timed apart from
 the step: in training it runs on torchft's thread while forward runs), the
 all-reduces across the groups made by the hooks (one per sharded module,
 ``Manager.allreduce`` through torchft's ``ManagedProcessGroup``),
-``should_commit``, and the whole step.
+``should_commit``, and the whole step; then the step of the same model
+and batches on fsdp2's own HSDP over the 4 ranks (2 x 2), without torchft.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torchft_hsdp as example
+from torch.distributed.device_mesh import init_device_mesh
 from torchft.coordination import LighthouseServer
 
 import fsdp2
@@ -74,6 +76,45 @@ def _rank(
     dist.destroy_process_group()
 
 
+def _native_rank(rank: int, store_port: int, steps: int, queue: Any) -> None:
+    """The same model and batches on fsdp2's own HSDP over the 4 ranks (2 x 2),
+    without torchft: the step to compare with."""
+    torch.set_num_threads(1)
+    store = dist.TCPStore("localhost", store_port, is_master=False)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=4)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    torch.manual_seed(0)
+    model = example.Net()
+    example.shard(model, fsdp2.fully_shard, mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    times = []
+    for step in range(steps):
+        inputs, targets = example.batch(rank // 2, rank % 2, step)
+        start = time.perf_counter()
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(model(inputs), targets).backward()
+        optimizer.step()
+        times.append(time.perf_counter() - start)
+    if rank == 0:
+        queue.put(times)
+    dist.destroy_process_group()
+
+
+def _native(steps: int) -> list[float]:
+    store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [
+        ctx.Process(target=_native_rank, args=(rank, store.port, steps, queue)) for rank in range(4)
+    ]
+    for proc in procs:
+        proc.start()
+    times = queue.get(timeout=600)
+    for proc in procs:
+        proc.join(timeout=60)
+    return times
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=40)
@@ -102,6 +143,8 @@ def main() -> None:
     names = ("quorum (start + wait)", "hooks' all-reduces", "should_commit", "step (no quorum)")
     for i, name in enumerate(names):
         print(f"{name:24s} {1e3 * statistics.median(r[i] for r in kept):7.2f} ms")
+    native = statistics.median(_native(args.steps)[5:])
+    print(f"{'fsdp2 HSDP 2 x 2 step':24s} {1e3 * native:7.2f} ms")
 
 
 if __name__ == "__main__":
