@@ -457,10 +457,10 @@ def check_shard_over_replicas_mesh(mesh: DeviceMesh, dp_mesh_dims: object) -> No
             "a torchft process group): a replica group that fails would take its pieces of the "
             "parameters and optimizer state with it, and torchft heals the group replacing it "
             "by copying a live group's state, which does not hold them. Keep torchft outside "
-            "the mesh: shard inside each "
-            "replica group (1D, or HSDP with this option over the group's own ranks) and "
-            "all-reduce across the groups with set_all_reduce_hook (docs/usage.md, "
-            '"Fault-tolerant HSDP with torchft"), or leave shard_optimizer_over_replicas off.'
+            "the mesh: shard inside each replica group (1D, or HSDP with this option over the "
+            "group's own ranks) and all-reduce across the groups with set_all_reduce_hook "
+            '(docs/usage.md, "Fault-tolerant HSDP with torchft"), or leave '
+            "shard_optimizer_over_replicas off."
         )
 
 

@@ -25,6 +25,7 @@ kill before the lighthouse drops B).
 
 from __future__ import annotations
 
+import gc
 import inspect
 import json
 import os
@@ -130,6 +131,7 @@ def _train(impl: str, name: str, rank: int, store_port: int, lighthouse: str, ou
     optim = {i: {k: _full(v) for k, v in s.items()} for i, s in optim.items()}
     torch.save({"model": full, "optim": optim}, out / f"{name}{rank}.pt")
     manager.shutdown(wait=False)
+    gc.collect()  # as tests/dist.py: no gloo thread left holding tensors at exit
     dist.destroy_process_group()
 
 
