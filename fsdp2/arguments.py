@@ -449,3 +449,24 @@ def check_shard_over_replicas_mesh(mesh: DeviceMesh, dp_mesh_dims: object) -> No
             "shard_optimizer_over_replicas off, or pass init_device_mesh(device, (R, S), "
             'mesh_dim_names=("replicate", "shard")).'
         )
+    replicas = mesh.get_group(0)
+    if _is_torchft_group(replicas):
+        raise ValueError(
+            "fully_shard(shard_optimizer_over_replicas=True) cannot split the optimizer across "
+            f"torchft's replica groups (the mesh's replicate axis is {dist.get_backend(replicas)!r}, "
+            "a torchft process group): a replica group that fails would take its pieces of the "
+            "parameters and optimizer state with it, and torchft heals the group replacing it "
+            "by copying a live group's state, which does not hold them. Keep torchft outside "
+            "the mesh: shard inside each replica group (1D, or HSDP with this option over the "
+            "group's own ranks) and all-reduce across the groups with set_all_reduce_hook "
+            '(docs/usage.md, "Fault-tolerant HSDP with torchft"), or leave '
+            "shard_optimizer_over_replicas off."
+        )
+
+
+def _is_torchft_group(group: dist.ProcessGroup) -> bool:
+    """Whether ``group`` is one of torchft's process groups (its replicas come
+    and go; fsdp2 does not import torchft): by its backend's name, which
+    torchft registers as "torchft-<backend>:<name>", or by its class."""
+    backend = str(dist.get_backend(group))
+    return backend.startswith("torchft") or type(group).__module__.startswith("torchft.")

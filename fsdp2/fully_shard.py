@@ -175,8 +175,9 @@ def fully_shard(
             all-gathers stay inside the shard group: a rank keeps its shard
             group's chunk in ``param_dtype``, gathered across the replicas
             again after each optimizer step, and gradients are
-            reduce-scattered (not all-reduced) across the replicas. See
-            docs/usage.md. (Default: False)
+            reduce-scattered (not all-reduced) across the replicas. Refused
+            across torchft's replica groups (a replicate axis that is a
+            torchft process group). See docs/usage.md. (Default: False)
 
     Parameters that are already DTensors (tensor parallelism, from
     ``parallelize_module`` on ``mesh["tp"]`` of the mesh whose ``mesh["dp"]``
