@@ -50,7 +50,6 @@ from torch.distributed.tensor import DTensor
 import fsdp2
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-torchft = pytest.importorskip("torchft")
 from torchft_hsdp import (  # noqa: E402
     Net,
     batch,
