@@ -109,8 +109,8 @@ def _check_plain_params_agree(plain: list[tuple[str, torch.Tensor]], info: MeshI
     or by the user): else each rank trains its own copy."""
     if data_parallel_size(info) == 1:
         return
-    stats = [checksums(p) for _, p in plain]
-    grads = [checksums(p.grad if p.grad is not None else p.new_zeros(0)) for _, p in plain]
+    stats = checksums([p for _, p in plain])
+    grads = checksums([p.grad if p.grad is not None else p.new_zeros(0) for _, p in plain])
     local = torch.stack([torch.cat(pair) for pair in zip(stats, grads, strict=True)])
     gathered = _gather(local.to(device_from_mesh(info.mesh)), info).cpu()
     ranks = gathered.flatten(0, 1)  # (ranks, params, 8)

@@ -32,6 +32,7 @@ the check off. See "Mistakes fsdp2 stops" in docs/usage.md.
 
 from __future__ import annotations
 
+import itertools
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
@@ -153,7 +154,7 @@ def _rows(
     for p, record in zip(params, records, strict=True):
         local = local_tensor(p.sharded_param)
         copies = _has_copies(p, info) and type(local) is torch.Tensor
-        now.append(_both(checksums(local).to(device)) if copies else none)
+        now.append(local if copies else None)
         taken = record if isinstance(record, BuiltAs) and not p.layout.whole else None
         whole = taken.whole if taken is not None else None
         piece = taken.piece if taken is not None else None
@@ -166,6 +167,8 @@ def _rows(
             taken is not None and (taken.local is not local or taken.versions != versions)
         )
         replaced.append(record is _REPLACED and not p.layout.whole and local.numel() > 0)
+    sums = iter(checksums([x for x in now if x is not None]))
+    now_rows = [_both(next(sums).to(device)) if x is not None else none for x in now]
     prints = iter(fingerprints([x for x, c in zip(piece_now, compared, strict=True) if c]))
     piece_now = [next(prints).to(device) if c else zeros for c in compared]
     flags = torch.tensor([compared, written, replaced], device=device)
@@ -174,7 +177,7 @@ def _rows(
     changed |= flags[2]  # a new parameter since fully_shard: loaded
     # The fingerprints of the wholes where the piece is still as built.
     built_rows = torch.stack(built).masked_fill(changed[:, None], float("-inf"))
-    columns = [torch.stack(now), built_rows, changed, untouched, torch.zeros_like(changed)]
+    columns = [torch.stack(now_rows), built_rows, changed, untouched, torch.zeros_like(changed)]
     return torch.cat([c.to(torch.float64).reshape(len(params), -1) for c in columns], dim=1)
 
 
@@ -261,22 +264,13 @@ def data_parallel_size(info: MeshInfo) -> int:
     return info.shard_world_size * info.replicate_world_size
 
 
-def checksums(tensor: torch.Tensor) -> torch.Tensor:
-    """(sum, sum of |x|, sum of squares, position-weighted sum) in float64, on
-    the tensor's device: equal for equal tensors, different for differently
-    initialised or reordered ones. In chunks, so a large tensor costs a
-    bounded float64 copy."""
-    if isinstance(tensor, DTensor):
-        tensor = local_tensor(tensor)
+def checksums(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each tensor's (sum, sum of |x|, sum of squares, position-weighted sum) in
+    float64, on its device (a DTensor's: of its local tensor): equal for equal
+    tensors, different for differently initialised or reordered ones."""
     with torch.no_grad():
-        flat = _flat(tensor)
-        total = torch.zeros(4, dtype=torch.float64, device=flat.device)
-        for start in range(0, flat.numel(), _CHUNK):
-            x = flat[start : start + _CHUNK].to(torch.float64)
-            index = torch.arange(start, start + x.numel(), dtype=torch.float64, device=x.device)
-            weights = index % 127 + 1
-            total += torch.stack([x.sum(), x.abs().sum(), (x * x).sum(), (x * weights).sum()])
-        return total
+        flats = [_flat(local_tensor(t) if isinstance(t, DTensor) else t) for t in tensors]
+        return _summed(flats, positions=True)
 
 
 def fingerprints(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -284,44 +278,64 @@ def fingerprints(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     ``_SAMPLE`` elements spread evenly over it: what tells tensors built or
     loaded apart (a seed or a checkpoint changes every element) at a cost
     that does not grow with the tensor (a full pass over a model on the CPU
-    took 24 times fully_shard's own time, docs/performance.md). The samples
-    of one device and dtype are summed together, a few ops for thousands of
-    tensors (one at a time, 20k tensors took a third of fully_shard's time)."""
+    took 24 times fully_shard's own time, docs/performance.md)."""
     with torch.no_grad():
-        samples = [_sample(t) for t in tensors]
-        by_kind: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-        for i, x in enumerate(samples):
-            by_kind.setdefault((x.device, x.dtype), []).append(i)
-        out: list[torch.Tensor] = [torch.empty(0)] * len(tensors)
-        for indices in by_kind.values():
-            start = 0
-            while start < len(indices):
-                # A batch of at most _CHUNK elements (a bounded float64 copy), one tensor at least.
-                end, numel = start + 1, samples[indices[start]].numel()
-                while end < len(indices) and numel + samples[indices[end]].numel() <= _CHUNK:
-                    numel += samples[indices[end]].numel()
-                    end += 1
-                batch = indices[start:end]
-                sums = _segment_sums([samples[i] for i in batch])
-                for i, row in zip(batch, sums.unbind(0), strict=True):
+        return _summed([_sample(t) for t in tensors], positions=False)
+
+
+def _summed(flats: list[torch.Tensor], positions: bool) -> list[torch.Tensor]:
+    """``_sums`` of each of ``flats``. Those of one device and dtype are summed
+    together, a few ops for thousands of tensors (one at a time, 20k tensors
+    took a third of fully_shard's time), in batches of at most ``_CHUNK``
+    elements (a bounded float64 copy); a larger tensor alone, in chunks."""
+    by_kind: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, x in enumerate(flats):
+        by_kind.setdefault((x.device, x.dtype), []).append(i)
+    out: list[torch.Tensor] = [torch.empty(0)] * len(flats)
+    for indices in by_kind.values():
+        start = 0
+        while start < len(indices):
+            end, numel = start + 1, flats[indices[start]].numel()
+            while end < len(indices) and numel + flats[indices[end]].numel() <= _CHUNK:
+                numel += flats[indices[end]].numel()
+                end += 1
+            batch = indices[start:end]
+            if numel > _CHUNK:  # one tensor
+                flat = flats[batch[0]]
+                chunks = [
+                    _sums([flat[i : i + _CHUNK]], positions, i) for i in range(0, numel, _CHUNK)
+                ]
+                out[batch[0]] = torch.stack(chunks).sum(dim=0)[0]
+            else:
+                for i, row in zip(
+                    batch, _sums([flats[i] for i in batch], positions).unbind(0), strict=True
+                ):
                     out[i] = row
-                start = end
-        return out
+            start = end
+    return out
+
+
+def _sums(xs: list[torch.Tensor], positions: bool, first: int = 0) -> torch.Tensor:
+    """(len(xs), 2 or 4) in float64: the sum and the sum of |x| of each; with
+    ``positions`` also the sum of squares and the sum weighted by the position
+    in the tensor (``first`` plus the index in ``x``, modulo 127, plus 1)."""
+    values = torch.cat(xs).to(torch.float64)
+    numels = [x.numel() for x in xs]
+    lengths = torch.tensor(numels, device=values.device)
+    columns = [values, values.abs()]
+    if positions:
+        starts = torch.tensor([0, *itertools.accumulate(numels)][:-1], device=values.device)
+        index = torch.arange(values.numel(), device=values.device)
+        index = index - starts.repeat_interleave(lengths, output_size=values.numel()) + first
+        columns += [values * values, values * (index % 127 + 1)]
+    sums = [torch.segment_reduce(c, "sum", lengths=lengths, unsafe=True) for c in columns]
+    return torch.stack(sums, dim=1)
 
 
 def _sample(tensor: torch.Tensor) -> torch.Tensor:
     flat = _flat(tensor)
     step = -(-flat.numel() // _SAMPLE)
     return flat[::step] if step > 1 else flat
-
-
-def _segment_sums(xs: list[torch.Tensor]) -> torch.Tensor:
-    """(len(xs), 2): the sum and the sum of |x| of each, in float64."""
-    values = torch.cat(xs).to(torch.float64)
-    lengths = torch.tensor([x.numel() for x in xs], device=values.device)
-    sums = torch.segment_reduce(values, "sum", lengths=lengths, unsafe=True)
-    magnitudes = torch.segment_reduce(values.abs(), "sum", lengths=lengths, unsafe=True)
-    return torch.stack([sums, magnitudes], dim=1)
 
 
 def _flat(tensor: torch.Tensor) -> torch.Tensor:
