@@ -58,11 +58,20 @@ def backend_for(process_group: dist.ProcessGroup, device_type: str) -> str:
 
 class Collectives:
     """torch's collectives on one process group (``backend``: its backend for
-    the device the engine's tensors are on)."""
+    ``device_type``, the device the engine's tensors are on; ``role``: what
+    the group is to fsdp2, e.g. "replicate group", for messages)."""
 
-    def __init__(self, process_group: dist.ProcessGroup, backend: str) -> None:
+    def __init__(
+        self,
+        process_group: dist.ProcessGroup,
+        backend: str,
+        device_type: str = "cpu",
+        role: str = "process group",
+    ) -> None:
         self.process_group = process_group
         self.backend = backend
+        self.device_type = device_type
+        self.role = role
 
     def allocate(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A flat buffer for one of these collectives (custom_comm.py's come
@@ -142,12 +151,15 @@ class GlooCollectives(Collectives):
         )
 
 
-def collectives_for(process_group: dist.ProcessGroup, device_type: str) -> Collectives:
-    """The collectives of ``process_group`` for tensors on ``device_type``."""
+def collectives_for(
+    process_group: dist.ProcessGroup, device_type: str, role: str = "process group"
+) -> Collectives:
+    """The collectives of ``process_group`` for tensors on ``device_type``;
+    ``role`` names the group in messages (e.g. "shard group")."""
     backend = backend_for(process_group, device_type)
     if device_type == "cpu" and backend == "gloo":
-        return GlooCollectives(process_group, backend)
-    return Collectives(process_group, backend)
+        return GlooCollectives(process_group, backend, device_type, role)
+    return Collectives(process_group, backend, device_type, role)
 
 
 # Point-to-point messages are matched by (peer, tag) in issue order: a tag of
