@@ -26,12 +26,13 @@ gain is measured in docs/performance.md.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from datetime import timedelta
 from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
-from .private_api import run_as_collective
+from .private_api import group_timeout, run_as_collective
 
 ReduceOp = dist.ReduceOp | dist.ReduceOp.RedOpType
 
@@ -234,7 +235,8 @@ def _gloo_reduce_scatter(
         for row in received[1:]:
             output.add_(row)
 
-    return JoinedWork(works, add_rows)
+    timeout = group_timeout(process_group, "cpu")
+    return JoinedWork([_PointToPoint(work, timeout) for work in works], add_rows)
 
 
 def _issued(work: dist.Work | None) -> dist.Work:
@@ -242,6 +244,24 @@ def _issued(work: dist.Work | None) -> dist.Work:
     if work is None:
         raise AssertionError("a point-to-point call on a rank of its group returned no work")
     return work
+
+
+class _PointToPoint:
+    """A gloo send or receive, waited with its group's timeout: without one
+    its wait() never gives up, and a peer that stopped (alive, sending
+    nothing) would block this rank forever where a collective times out."""
+
+    def __init__(self, work: dist.Work, timeout: timedelta | None) -> None:
+        self._work = work
+        self._timeout = timeout
+
+    def is_completed(self) -> bool:
+        return self._work.is_completed()
+
+    def wait(self) -> bool:
+        if self._timeout is None:
+            return self._work.wait()
+        return self._work.wait(self._timeout)
 
 
 def _finish(work: JoinedWork, async_op: bool) -> JoinedWork | None:
