@@ -16,7 +16,9 @@ fully_shard still hangs there). Run as a script, this file is the job of
 
 from __future__ import annotations
 
+import faulthandler
 import json
+import logging
 import os
 import re
 import signal
@@ -35,9 +37,10 @@ import torch.distributed as dist
 import torch.nn as nn
 from dist import _context as rank_processes  # run_ranks' fork server: torch imported once
 from models import build_model, global_batch, local_batch, make_optimizer, mean_loss
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 import fsdp2
+from fsdp2.private_api import group_timeout
 
 WORLD_SIZE = 4
 # The job's timeout: the default group's, set by init_process_group. Short, for
@@ -146,23 +149,22 @@ _SCENARIOS = {
 
 
 def _rank_process(rank: int, scenario: str, out_dir: Path) -> None:
-    import faulthandler
-
-    stacks = open(out_dir / f"rank{rank}.stacks", "w")
-    faulthandler.dump_traceback_later(30, file=stacks)
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{out_dir}/store",
-        rank=rank,
-        world_size=WORLD_SIZE,
-        timeout=TIMEOUT,
-    )
-    try:
-        run_job(rank, scenario, out_dir)
-    except BaseException:
-        (out_dir / f"rank{rank}.traceback").write_text(traceback.format_exc())
-        os._exit(1)
+    with open(out_dir / f"rank{rank}.stacks", "w") as stacks:
+        # Where a rank that never raised was blocked, for the hang's message.
+        faulthandler.dump_traceback_later(JOIN_S - 10, file=stacks)
+        torch.set_num_threads(1)
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{out_dir}/store",
+            rank=rank,
+            world_size=WORLD_SIZE,
+            timeout=TIMEOUT,
+        )
+        try:
+            run_job(rank, scenario, out_dir)
+        except BaseException:
+            (out_dir / f"rank{rank}.traceback").write_text(traceback.format_exc())
+            os._exit(1)
     os._exit(0)
 
 
@@ -182,7 +184,10 @@ def _outcomes(out_dir: Path, bad_rank: int) -> tuple[float, dict[int, dict[str, 
         if rank == bad_rank:
             continue
         path = out_dir / f"rank{rank}.json"
-        assert path.exists(), f"rank {rank} neither raised nor finished: a hang"
+        if not path.exists():
+            stacks = out_dir / f"rank{rank}.stacks"
+            where = stacks.read_text() if stacks.exists() else ""
+            raise AssertionError(f"rank {rank} neither raised nor finished: a hang\n{where}")
         outcomes[rank] = json.loads(path.read_text())
     return float(failed_at.read_text()), outcomes
 
@@ -301,3 +306,43 @@ if __name__ == "__main__":
     # The job of test_torchrun_ends_the_job, on each rank torchrun starts.
     dist.init_process_group("gloo", timeout=TIMEOUT)
     run_job(dist.get_rank(), sys.argv[1], Path(sys.argv[2]))
+
+
+# -- which groups fsdp2 changes -----------------------------------------------------
+
+
+def test_timeouts_aligned_at_lazy_init(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A world of one: the groups of an HSDP mesh (gloo's default 30 min) take
+    the default group's timeout at the first forward, with one INFO line; a
+    group created with a timeout of its own keeps it."""
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1, timeout=TIMEOUT
+    )
+    try:
+        # As init_device_mesh builds an HSDP mesh's groups on more ranks: no timeout given.
+        groups = [dist.new_group([0]), dist.new_group([0])]
+        mesh = DeviceMesh.from_group(
+            groups, "cpu", mesh=[[0]], mesh_dim_names=("replicate", "shard")
+        )
+        chosen = dist.new_group([0], timeout=timedelta(minutes=45))
+        own = DeviceMesh.from_group(chosen, "cpu")
+        before = [group_timeout(g, "cpu") for g in [*groups, chosen]]
+        assert before == [timedelta(minutes=30)] * 2 + [timedelta(minutes=45)], before
+        caplog.set_level(logging.INFO, logger="fsdp2")
+        for model_mesh in (mesh, own):
+            model = fsdp2.fully_shard(nn.Linear(4, 4), mesh=model_mesh)
+            model(torch.ones(2, 4)).sum().backward()
+        after = [group_timeout(g, "cpu") for g in [*groups, chosen]]
+        assert after == [TIMEOUT, TIMEOUT, timedelta(minutes=45)], after
+        lines = [
+            r.getMessage()
+            for r in caplog.records
+            if r.name == "fsdp2" and r.levelno == logging.INFO
+        ]
+        assert lines == [
+            "[rank 0] timeouts lowered to the default group's 0:00:06, so that a stuck peer "
+            "fails them in time: the shard group (ranks [0]) from 0:30:00; the replicate "
+            "group (ranks [0]) from 0:30:00. Create a group with a timeout of its own to keep it."
+        ], lines
+    finally:
+        dist.destroy_process_group()
