@@ -148,11 +148,24 @@ _SCENARIOS = {
 }
 
 
+def _start_together(rank: int, out_dir: Path) -> None:
+    """Returns once every rank got here: init_process_group's rendezvous waits
+    for the others with the short TIMEOUT too, and ranks can start seconds
+    apart on a loaded machine (under torchrun each imports torch itself)."""
+    (out_dir / f"started{rank}").touch()
+    deadline = time.monotonic() + JOIN_S
+    while not all((out_dir / f"started{r}").exists() for r in range(WORLD_SIZE)):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank {rank}: the other ranks did not start in {JOIN_S} s")
+        time.sleep(0.05)
+
+
 def _rank_process(rank: int, scenario: str, out_dir: Path) -> None:
     with open(out_dir / f"rank{rank}.stacks", "w") as stacks:
         # Where a rank that never raised was blocked, for the hang's message.
         faulthandler.dump_traceback_later(JOIN_S - 10, file=stacks)
         torch.set_num_threads(1)
+        _start_together(rank, out_dir)
         dist.init_process_group(
             "gloo",
             init_method=f"file://{out_dir}/store",
@@ -202,7 +215,7 @@ _MESSAGE = re.compile(
 
 def _check(scenario: str, out_dir: Path) -> dict[int, re.Match]:
     """Every survivor raised fsdp2's error in time; returns each one's match."""
-    mesh_kind, fault, bad_rank = _SCENARIOS[scenario]
+    _, fault, bad_rank = _SCENARIOS[scenario]
     failed_at, outcomes = _outcomes(out_dir, bad_rank)
     matches = {}
     for rank, outcome in outcomes.items():
@@ -258,7 +271,7 @@ def test_survivors_raise_in_time(scenario: str, tmp_path: Path) -> None:
     with the optimizer sharded over the replicas."""
     _launch(scenario, tmp_path)
     matches = _check(scenario, tmp_path)
-    mesh_kind, fault, bad_rank = _SCENARIOS[scenario]
+    _, fault, _ = _SCENARIOS[scenario]
     if fault == "raise in backward":
         # Rank 1's replica, rank 3, is left alone on the replicate group [1, 3].
         assert (matches[3]["group"], matches[3]["ranks"]) == ("replicate group", "[1, 3]")
@@ -304,6 +317,7 @@ def test_torchrun_ends_the_job(tmp_path: Path) -> None:
 
 if __name__ == "__main__":
     # The job of test_torchrun_ends_the_job, on each rank torchrun starts.
+    _start_together(int(os.environ["RANK"]), Path(sys.argv[2]))
     dist.init_process_group("gloo", timeout=TIMEOUT)
     run_job(dist.get_rank(), sys.argv[1], Path(sys.argv[2]))
 
@@ -314,7 +328,8 @@ if __name__ == "__main__":
 def test_timeouts_aligned_at_lazy_init(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """A world of one: the groups of an HSDP mesh (gloo's default 30 min) take
     the default group's timeout at the first forward, with one INFO line; a
-    group created with a timeout of its own keeps it."""
+    group created with a timeout of its own keeps it, and so does the group
+    of set_separate_reduce_scatter_group (the shard group's)."""
     dist.init_process_group(
         "gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1, timeout=TIMEOUT
     )
@@ -329,11 +344,16 @@ def test_timeouts_aligned_at_lazy_init(tmp_path: Path, caplog: pytest.LogCapture
         before = [group_timeout(g, "cpu") for g in [*groups, chosen]]
         assert before == [timedelta(minutes=30)] * 2 + [timedelta(minutes=45)], before
         caplog.set_level(logging.INFO, logger="fsdp2")
+        separate = []
         for model_mesh in (mesh, own):
             model = fsdp2.fully_shard(nn.Linear(4, 4), mesh=model_mesh)
             model(torch.ones(2, 4)).sum().backward()
-        after = [group_timeout(g, "cpu") for g in [*groups, chosen]]
-        assert after == [TIMEOUT, TIMEOUT, timedelta(minutes=45)], after
+            model.set_separate_reduce_scatter_group()
+            (param_group,) = fsdp2.fully_shard.state(model).param_groups
+            separate.append(param_group.settings.reduce_scatter_collectives.process_group)
+        after = [group_timeout(g, "cpu") for g in [*groups, chosen, *separate]]
+        kept = timedelta(minutes=45)
+        assert after == [TIMEOUT, TIMEOUT, kept, TIMEOUT, kept], after
         lines = [
             r.getMessage()
             for r in caplog.records
