@@ -36,7 +36,7 @@ from .offload import HostGradCopies
 from .primitives import Collectives, Waitable
 from .private_api import profiled
 from .stats import CollectiveStats, CommStats
-from .timeouts import collective_failed, naming_failures
+from .timeouts import collective_failed
 
 
 class CommKind(NamedTuple):
@@ -163,23 +163,26 @@ class CommContext:
             stats = self.stats.record(group_name, kind.stats)
             stats.count += 1
             stats.bytes += nbytes
-        with profiled(kind.stats, group_name), naming_failures(label, on):
-            ops = self.ops
-            if ops is None:
-                return InFlight(collective(True), None, None, label, stats, on)
-            comm_stream = self._stream(ops, kind.stream)
-            # The copy-in ran on the current stream.
-            comm_stream.wait_stream(ops.current_stream())
-            for earlier in after:
-                if earlier.event is not None:
-                    comm_stream.wait_event(earlier.event)
-            with comm_stream:
-                work = collective(False)
-                if work is not None:
-                    # A custom collective may return a handle even so: on an
-                    # accelerator its wait() orders this stream after it.
-                    work.wait()
-                event = comm_stream.record_event()
+        try:  # not a context manager: this runs for every collective
+            with profiled(kind.stats, group_name):
+                ops = self.ops
+                if ops is None:
+                    return InFlight(collective(True), None, None, label, stats, on)
+                comm_stream = self._stream(ops, kind.stream)
+                # The copy-in ran on the current stream.
+                comm_stream.wait_stream(ops.current_stream())
+                for earlier in after:
+                    if earlier.event is not None:
+                        comm_stream.wait_event(earlier.event)
+                with comm_stream:
+                    work = collective(False)
+                    if work is not None:
+                        # A custom collective may return a handle even so: on an
+                        # accelerator its wait() orders this stream after it.
+                        work.wait()
+                    event = comm_stream.record_event()
+        except RuntimeError as error:  # e.g. a dead peer's connection, at issue
+            raise collective_failed(label, on, error) from error
         return InFlight(None, event, ops, label, stats, on)
 
     @contextlib.contextmanager

@@ -31,7 +31,11 @@ from .private_api import backend_default_timeout, group_timeout, set_group_timeo
 
 def describe(role: str, group: dist.ProcessGroup) -> str:
     """E.g. "the replicate group (ranks [0, 2])", for messages."""
-    return f"the {role} (ranks {dist.get_process_group_ranks(group)})"
+    try:
+        ranks = dist.get_process_group_ranks(group)
+    except Exception:  # not one of c10d's groups (torchft's): the message must not fail
+        return f"the {role} (ranks unknown)"
+    return f"the {role} (ranks {ranks})"
 
 
 def align_timeouts(groups: Iterable[tuple[str, dist.ProcessGroup]], device_type: str) -> None:
