@@ -240,6 +240,7 @@ class AllGatherComm:
         in_flight = comm.issue(
             self.kind,
             name,
+            collectives,
             all_gather_output.numel() * all_gather_output.element_size(),
             lambda async_op: collectives.all_gather(all_gather_output, all_gather_input, async_op),
         )

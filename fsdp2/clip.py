@@ -26,6 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.placement_types import Placement
 
+from .primitives import collectives_for
 from .private_api import (
     dtensor_specs,
     foreach_mul_,
@@ -33,6 +34,7 @@ from .private_api import (
     locals_in_place,
     shards_tensor,
 )
+from .timeouts import naming_failures
 
 # (mesh, mesh axes the gradient is sharded over); (None, ()) for plain tensors.
 _GroupKey = tuple[DeviceMesh | None, tuple[int, ...]]
@@ -199,7 +201,9 @@ def _total_norm(
             value = value.to(_mesh_device(mesh))
             op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
             for axis in sharded_axes:
-                dist.all_reduce(value, op=op, group=mesh.get_group(axis))
+                group = collectives_for(mesh.get_group(axis), mesh.device_type, _role(mesh, axis))
+                with naming_failures("all-reduce of the gradients' norm (clip_grad_norm_)", group):
+                    group.all_reduce(value, op)
         per_group.append(value.to(device))
     stacked = torch.stack(per_group)
     if math.isinf(norm_type):
@@ -217,6 +221,11 @@ def _local_norm(
     if not tensors:
         return torch.zeros(())
     return torch.nn.utils.get_total_norm(tensors, norm_type, foreach=foreach)
+
+
+def _role(mesh: DeviceMesh, axis: int) -> str:
+    name = mesh.mesh_dim_names[axis] if mesh.mesh_dim_names else str(axis)
+    return f"group of mesh axis {name!r}"
 
 
 def _mesh_device(mesh: DeviceMesh) -> torch.device:

@@ -30,13 +30,13 @@ from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 import torch
-import torch.distributed as dist
 
 from .device_ops import DeviceOps
 from .offload import HostGradCopies
-from .primitives import Waitable
+from .primitives import Collectives, Waitable
 from .private_api import profiled
 from .stats import CollectiveStats, CommStats
+from .timeouts import collective_failed
 
 
 class CommKind(NamedTuple):
@@ -66,8 +66,9 @@ class InFlight(NamedTuple):
     work: Waitable | None  # CPU: the async work handle
     event: torch.Event | None  # accelerator: recorded on the comm stream after the collective
     ops: DeviceOps | None  # accelerator: whose current stream waits on ``event``
-    label: str  # e.g. "all-gather of 'layers.3'", for errors
+    label: str  # e.g. "all-gather of module 'layers.3'", for errors
     stats: CollectiveStats | None  # where to record the wait, when recording
+    on: Collectives | None = None  # whose group it runs on, for errors
 
     @classmethod
     def done(cls) -> InFlight:
@@ -93,11 +94,7 @@ class InFlight(NamedTuple):
                 self.work.wait()
             except RuntimeError as error:
                 # Name the collective: gloo's own message only says which socket failed.
-                raise RuntimeError(
-                    f"fsdp2 (rank {dist.get_rank()}): the {self.label} failed or timed out: "
-                    f"{error}. A peer rank may have died, raised, or run a different sequence "
-                    "of collectives."
-                ) from error
+                raise collective_failed(self.label, self.on, error) from error
         if self.event is not None and self.ops is not None:
             self.ops.current_stream().wait_event(self.event)
         if self.stats is not None:
@@ -151,38 +148,42 @@ class CommContext:
         self,
         kind: CommKind,
         group_name: str,
+        on: Collectives,
         nbytes: int,
         collective: Callable[[bool], Waitable | None],
         after: tuple[InFlight, ...] = (),
     ) -> InFlight:
-        """Runs ``collective(async_op)``: on the comm stream of ``kind`` on
-        accelerators, asynchronously on CPU. ``nbytes`` (of the full buffer) is
-        for the statistics. ``after``: accelerators, collectives in flight whose
-        output this one reads (ordered after their events)."""
-        label = f"{kind.label} of {group_name!r}"
+        """Runs ``collective(async_op)``, one of ``on``'s: on the comm stream of
+        ``kind`` on accelerators, asynchronously on CPU. ``nbytes`` (of the
+        full buffer) is for the statistics. ``after``: accelerators, collectives
+        in flight whose output this one reads (ordered after their events)."""
+        label = f"{kind.label} of module {group_name!r}"
         stats = None
         if self.stats is not None:
             stats = self.stats.record(group_name, kind.stats)
             stats.count += 1
             stats.bytes += nbytes
-        with profiled(kind.stats, group_name):
-            ops = self.ops
-            if ops is None:
-                return InFlight(collective(True), None, None, label, stats)
-            comm_stream = self._stream(ops, kind.stream)
-            # The copy-in ran on the current stream.
-            comm_stream.wait_stream(ops.current_stream())
-            for earlier in after:
-                if earlier.event is not None:
-                    comm_stream.wait_event(earlier.event)
-            with comm_stream:
-                work = collective(False)
-                if work is not None:
-                    # A custom collective may return a handle even so: on an
-                    # accelerator its wait() orders this stream after it.
-                    work.wait()
-                event = comm_stream.record_event()
-        return InFlight(None, event, ops, label, stats)
+        try:  # not a context manager: this runs for every collective
+            with profiled(kind.stats, group_name):
+                ops = self.ops
+                if ops is None:
+                    return InFlight(collective(True), None, None, label, stats, on)
+                comm_stream = self._stream(ops, kind.stream)
+                # The copy-in ran on the current stream.
+                comm_stream.wait_stream(ops.current_stream())
+                for earlier in after:
+                    if earlier.event is not None:
+                        comm_stream.wait_event(earlier.event)
+                with comm_stream:
+                    work = collective(False)
+                    if work is not None:
+                        # A custom collective may return a handle even so: on an
+                        # accelerator its wait() orders this stream after it.
+                        work.wait()
+                    event = comm_stream.record_event()
+        except RuntimeError as error:  # e.g. a dead peer's connection, at issue
+            raise collective_failed(label, on, error) from error
+        return InFlight(None, event, ops, label, stats, on)
 
     @contextlib.contextmanager
     def copy_in(self, written: torch.Event | None = None) -> Iterator[None]:

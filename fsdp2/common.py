@@ -67,6 +67,7 @@ class MeshInfo:
     # dp_mesh_dims: the full mesh the parameters live on, and which of its axes
     # are the data-parallel ones this info describes (see mesh.py).
     spmd: "SpmdAxes | None" = None
+    shard_role: str = "shard group"  # for messages: the post-forward group's differs
 
     @classmethod
     def from_mesh(cls, mesh: DeviceMesh) -> "MeshInfo":
@@ -85,13 +86,26 @@ class MeshInfo:
 
     @functools.cached_property
     def shard_collectives(self) -> Collectives:
-        return collectives_for(self.shard_group, self.mesh.device_type)
+        return collectives_for(self.shard_group, self.mesh.device_type, self.shard_role)
 
     @functools.cached_property
     def replicate_collectives(self) -> Collectives | None:
         if self.replicate_group is None:
             return None
-        return collectives_for(self.replicate_group, self.mesh.device_type)
+        return collectives_for(self.replicate_group, self.mesh.device_type, "replicate group")
+
+    def process_groups(self) -> list[tuple[str, dist.ProcessGroup]]:
+        """Every group of these axes, and of the other axes of the meshes the
+        parameters live on (``clip_grad_norm_`` reduces over those), by role."""
+        groups = [(self.shard_role, self.shard_group)]
+        if self.replicate_group is not None:
+            groups.append(("replicate group", self.replicate_group))
+        meshes = [self.mesh] if self.spmd is None else [self.spmd.mesh, self.spmd.sharded_mesh]
+        for mesh in meshes:
+            names = mesh.mesh_dim_names or tuple(str(axis) for axis in range(mesh.ndim))
+            for name, group in zip(names, mesh.get_all_groups(), strict=True):
+                groups.append((f"group of mesh axis {name!r}", group))
+        return groups
 
     @property
     def placements(self) -> tuple[Placement, ...]:
@@ -164,4 +178,5 @@ def post_forward_mesh_info(mesh: DeviceMesh, group_size: int) -> MeshInfo:
         shard_group=small_mesh.get_group(1),
         shard_world_size=group_size,
         shard_rank=small_mesh.get_local_rank(1),
+        shard_role="post-forward group",
     )

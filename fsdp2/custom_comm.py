@@ -76,7 +76,7 @@ class WithCustomAllGather(Collectives):
     """``base``'s collectives, with the user's all-gather and its buffers."""
 
     def __init__(self, base: Collectives, comm: AllGather) -> None:
-        super().__init__(base.process_group, base.backend)
+        super().__init__(base.process_group, base.backend, base.device_type, base.role)
         self.base = base
         self.comm = comm
 
@@ -102,7 +102,7 @@ class WithCustomReduceScatter(Collectives):
     """``base``'s collectives, with the user's reduce-scatter and its buffers."""
 
     def __init__(self, base: Collectives, comm: ReduceScatter) -> None:
-        super().__init__(base.process_group, base.backend)
+        super().__init__(base.process_group, base.backend, base.device_type, base.role)
         self.base = base
         self.comm = comm
 

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from .primitives import Collectives
+from .timeouts import naming_failures
 
 _KINDS = ("all-gather", "reduce-scatter", "all-reduce")
 
@@ -115,13 +116,9 @@ class ExecutionOrderCheck:
         world_size = dist.get_world_size(process_group)
         mine = torch.tensor([*entry, numel], dtype=torch.int64, device=self._device)
         everyone = torch.empty(world_size * 3, dtype=torch.int64, device=self._device)
-        try:
+        what = f"execution order check's all-gather before the {self._describe(entry)}"
+        with naming_failures(what, collectives):
             collectives.all_gather(everyone, mine)
-        except RuntimeError as error:
-            raise RuntimeError(
-                f"fsdp2 execution order check (rank {dist.get_rank()}): exchanging the "
-                f"description of the {self._describe(entry)} failed: {error}"
-            ) from error
         rows = everyone.view(world_size, 3).tolist()
         if all(row == rows[0] for row in rows):
             return

@@ -44,6 +44,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .policy import MixedPrecisionPolicy
 from .primitives import Collectives
+from .timeouts import naming_failures
 
 PRE_ALL_GATHER = "fsdp_pre_all_gather"
 POST_ALL_GATHER = "fsdp_post_all_gather"
@@ -123,7 +124,8 @@ class AllGatherExtension:
             device = inputs[0].device if inputs else torch.device("cpu")
             local = torch.tensor(numels, dtype=torch.int64, device=device)
             gathered = torch.empty(world_size * len(numels), dtype=torch.int64, device=device)
-            collectives.all_gather(gathered, local)
+            with naming_failures("all-gather of the extension's slot sizes", collectives):
+                collectives.all_gather(gathered, local)
             numels = gathered.view(world_size, -1).amax(dim=0).tolist()
         self.slot_numels = numels
         self.slot_dtypes = [t.dtype for t in inputs]

@@ -29,6 +29,7 @@ from torch.distributed.tensor import DTensor
 from .common import MeshInfo, device_from_mesh
 from .markers import DATA_PARALLEL, IGNORED, SHARDED, SHARDED_AS
 from .same_model import check_same_model, checksums, data_parallel_size, differ, some
+from .timeouts import naming_failures
 
 if TYPE_CHECKING:
     from .param_group import FSDPParamGroup
@@ -151,6 +152,9 @@ def _gather(local: torch.Tensor, info: MeshInfo) -> torch.Tensor:
             continue
         # Filled with this rank's values first: a "fake" process group moves no data.
         gathered = out.flatten().repeat(size)
-        collectives.all_gather(gathered, out.flatten())
+        with naming_failures(
+            "all-gather of the unsharded parameters' check (first step)", collectives
+        ):
+            collectives.all_gather(gathered, out.flatten())
         out = gathered.view(size, *out.shape)
     return out

@@ -15,6 +15,7 @@ from .bool_args import check_bool
 from .custom_comm import AllGather, ReduceScatter, check_custom_collective
 from .param_group import FSDPParamGroup
 from .primitives import Collectives, collectives_for
+from .private_api import group_timeout
 from .state import FSDPState
 
 
@@ -340,8 +341,16 @@ class FSDPModule:
                 continue
             ranks = tuple(dist.get_process_group_ranks(info.shard_group))
             if ranks not in created:
-                process_group = dist.new_group(list(ranks), use_local_synchronization=True)
-                created[ranks] = collectives_for(process_group, info.mesh.device_type)
+                device_type = info.mesh.device_type
+                process_group = dist.new_group(
+                    list(ranks),
+                    # The shard group's: it carries the same collectives' gradients.
+                    timeout=group_timeout(info.shard_group, device_type),
+                    use_local_synchronization=True,
+                )
+                created[ranks] = collectives_for(
+                    process_group, device_type, "separate reduce-scatter group"
+                )
             group.configure(reduce_scatter_collectives=created[ranks])
 
     # -- communication --------------------------------------------------------

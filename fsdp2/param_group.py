@@ -27,6 +27,7 @@ from collections.abc import Callable
 from typing import NamedTuple, Protocol
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from .all_gather import AllGatherInFlight, AllGatherInputs, all_gather_dtype, as_buffer_dtype
@@ -127,6 +128,15 @@ class FSDPParamGroup:
         return choose_comms(
             self.mesh_info, self.post_forward_mesh_info, layouts, settings, previous
         )
+
+    def process_groups(self) -> list[tuple[str, dist.ProcessGroup]]:
+        """Every process group this group communicates on, by role (timeouts.py)."""
+        groups = self.mesh_info.process_groups()
+        if self.post_forward_mesh_info is not None:
+            groups += self.post_forward_mesh_info.process_groups()
+        if (separate := self.settings.reduce_scatter_collectives) is not None:
+            groups.append((separate.role, separate.process_group))
+        return groups
 
     def fail(self, message: str) -> AssertionError:
         return AssertionError(f"[rank {self.mesh_info.shard_rank}] group {self.name!r}: {message}")

@@ -26,12 +26,13 @@ gain is measured in docs/performance.md.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from datetime import timedelta
 from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
-from .private_api import run_as_collective
+from .private_api import group_timeout, run_as_collective
 
 ReduceOp = dist.ReduceOp | dist.ReduceOp.RedOpType
 
@@ -58,11 +59,20 @@ def backend_for(process_group: dist.ProcessGroup, device_type: str) -> str:
 
 class Collectives:
     """torch's collectives on one process group (``backend``: its backend for
-    the device the engine's tensors are on)."""
+    ``device_type``, the device the engine's tensors are on; ``role``: what
+    the group is to fsdp2, e.g. "replicate group", for messages)."""
 
-    def __init__(self, process_group: dist.ProcessGroup, backend: str) -> None:
+    def __init__(
+        self,
+        process_group: dist.ProcessGroup,
+        backend: str,
+        device_type: str = "cpu",
+        role: str = "process group",
+    ) -> None:
         self.process_group = process_group
         self.backend = backend
+        self.device_type = device_type
+        self.role = role
 
     def allocate(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A flat buffer for one of these collectives (custom_comm.py's come
@@ -142,12 +152,15 @@ class GlooCollectives(Collectives):
         )
 
 
-def collectives_for(process_group: dist.ProcessGroup, device_type: str) -> Collectives:
-    """The collectives of ``process_group`` for tensors on ``device_type``."""
+def collectives_for(
+    process_group: dist.ProcessGroup, device_type: str, role: str = "process group"
+) -> Collectives:
+    """The collectives of ``process_group`` for tensors on ``device_type``;
+    ``role`` names the group in messages (e.g. "shard group")."""
     backend = backend_for(process_group, device_type)
     if device_type == "cpu" and backend == "gloo":
-        return GlooCollectives(process_group, backend)
-    return Collectives(process_group, backend)
+        return GlooCollectives(process_group, backend, device_type, role)
+    return Collectives(process_group, backend, device_type, role)
 
 
 # Point-to-point messages are matched by (peer, tag) in issue order: a tag of
@@ -222,7 +235,8 @@ def _gloo_reduce_scatter(
         for row in received[1:]:
             output.add_(row)
 
-    return JoinedWork(works, add_rows)
+    timeout = group_timeout(process_group, "cpu")
+    return JoinedWork([_PointToPoint(work, timeout) for work in works], add_rows)
 
 
 def _issued(work: dist.Work | None) -> dist.Work:
@@ -230,6 +244,24 @@ def _issued(work: dist.Work | None) -> dist.Work:
     if work is None:
         raise AssertionError("a point-to-point call on a rank of its group returned no work")
     return work
+
+
+class _PointToPoint:
+    """A gloo send or receive, waited with its group's timeout: without one
+    its wait() never gives up, and a peer that stopped (alive, sending
+    nothing) would block this rank forever where a collective times out."""
+
+    def __init__(self, work: dist.Work, timeout: timedelta | None) -> None:
+        self._work = work
+        self._timeout = timeout
+
+    def is_completed(self) -> bool:
+        return self._work.is_completed()
+
+    def wait(self) -> bool:
+        if self._timeout is None:
+            return self._work.wait()
+        return self._work.wait(self._timeout)
 
 
 def _finish(work: JoinedWork, async_op: bool) -> JoinedWork | None:

@@ -21,6 +21,7 @@ import functools
 import logging
 import operator
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any, Literal, TypeVar
 
 import torch
@@ -54,6 +55,9 @@ __all__ = [
     "profiled",
     "mark_composable_api",
     "functorch_transforms_active",
+    "group_timeout",
+    "backend_default_timeout",
+    "set_group_timeout",
     "outside_functorch",
     "premul_sum",
     "queue_backward_callback",
@@ -510,3 +514,38 @@ def _stand_in_group(rank: int, world_size: int) -> dist.ProcessGroup:
         torch.device("cpu"), backend_type, FakeProcessGroup._create_internal(rank, world_size)
     )
     return group
+
+
+def group_timeout(group: dist.ProcessGroup, device_type: str) -> timedelta | None:
+    """How long ``group``'s collectives on ``device_type`` wait for a peer, or
+    None if its backend does not say (a fake or third-party group).
+
+    Why private: no public API reads a group's timeout; its backend's options
+    hold it (gloo's and NCCL's alike).
+    """
+    try:
+        return group._get_backend(torch.device(device_type)).options._timeout
+    except (AttributeError, RuntimeError, ValueError):
+        return None
+
+
+def backend_default_timeout(backend: str) -> timedelta:
+    """The timeout a group of ``backend`` ("gloo", "nccl") gets when it is
+    created without one (30 min for gloo, 10 for NCCL in torch 2.13).
+
+    Why private: ``new_group`` and ``init_device_mesh`` fill it in from
+    ``_get_default_timeout``, which tells it per backend; the public constants
+    would repeat torch's rule here.
+    """
+    return dist.distributed_c10d._get_default_timeout(dist.Backend(backend))
+
+
+def set_group_timeout(group: dist.ProcessGroup, timeout: timedelta) -> None:
+    """Makes ``group``'s collectives from now on fail after ``timeout`` (gloo:
+    the wait raises; NCCL: its watchdog aborts the group).
+
+    Why private: ``_set_pg_timeout`` is torch's documented way to change a
+    live group's timeout, backend by backend (gloo, NCCL); the public-looking
+    ``ProcessGroup.set_timeout`` has no documentation saying what it reaches.
+    """
+    dist.distributed_c10d._set_pg_timeout(timeout, group)

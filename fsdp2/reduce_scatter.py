@@ -218,6 +218,7 @@ class ReduceScatterComm:
                     comm.issue(
                         ALL_REDUCE,
                         name,
+                        collectives,
                         tail.numel() * tail.element_size(),
                         lambda async_op: collectives.all_reduce(tail, op, async_op),
                     )
@@ -245,6 +246,7 @@ def reduce_rows(
         issued = comm.issue(
             kind,
             name,
+            collectives,
             rows.numel() * rows.element_size(),
             lambda async_op: collectives.reduce_scatter(output, rows.view(-1), op, async_op),
         )
@@ -253,6 +255,7 @@ def reduce_rows(
     issued = comm.issue(
         kind,
         name,
+        collectives,
         sent.numel() * sent.element_size(),
         lambda async_op: exchange(output, sent, wire, slot_numels, collectives, async_op),
     )

@@ -133,6 +133,7 @@ def all_reduce_across(
         return comm.issue(
             ALL_REDUCE,
             name,
+            collectives,
             tensor.numel() * tensor.element_size(),
             lambda async_op: collectives.all_reduce(tensor, op, async_op),
             after,
@@ -140,6 +141,7 @@ def all_reduce_across(
     return comm.issue(
         ALL_REDUCE,
         name,
+        collectives,
         all_reduce_sent_bytes(slot_numels, wire, collectives.process_group.size()),
         lambda async_op: compressed_all_reduce(tensor, slot_numels, wire, collectives, async_op),
         after,

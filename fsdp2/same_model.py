@@ -44,6 +44,7 @@ from .common import MeshInfo, device_from_mesh
 from .markers import BUILT_AS
 from .primitives import Collectives, backend_for
 from .private_api import local_tensor
+from .timeouts import naming_failures
 
 if TYPE_CHECKING:
     from .param import FSDPParam
@@ -253,7 +254,8 @@ def _copies_message(info: MeshInfo, names: list[str]) -> str:
 def _max_over(rows: torch.Tensor, collectives: Collectives) -> None:
     """In place: the highest of each value over the ranks of ``collectives``
     (a "fake" process group leaves this rank's)."""
-    collectives.all_reduce(rows, op=dist.ReduceOp.MAX)
+    with naming_failures("all-reduce of the same-model check (first forward)", collectives):
+        collectives.all_reduce(rows, op=dist.ReduceOp.MAX)
 
 
 def _names(params: list[FSDPParam], mask: torch.Tensor) -> list[str]:

@@ -37,6 +37,7 @@ from .policy import MixedPrecisionPolicy
 from .post_backward import register_post_backward
 from .private_api import in_backward, local_tensor, map_tensors, profiled, tensors_in
 from .root import RootContext
+from .timeouts import align_timeouts
 from .torch_fsdp import check_not_under_torch_fsdp
 
 
@@ -174,6 +175,10 @@ class FSDPState:
                 group.reset_sharded_params()
         _check_materialized(root_ctx.groups)
         install_optimizer_hooks()
+        # Before the first collective: a stuck peer fails every group in the job's time.
+        align_timeouts(
+            (g for group in root_ctx.groups for g in group.process_groups()), root_ctx.device.type
+        )
         at_lazy_init(root_ctx.groups)  # mistakes.py: the ranks hold the same model
         if self.reshard_after_forward_arg is None:
             # The root's parameters are needed again first thing in backward.

@@ -709,14 +709,19 @@ def _dead_peer_worker(rank: int, world_size: int, tmp_dir: Path, fault: str) -> 
     [
         # layers.1's all-gather was prefetched before rank 1 left: whether it
         # finished in time is a race, so rank 0 fails on it or on the next one.
-        pytest.param("exit in forward", r"all-gather of 'layers\.[12]'", "", id="exit-in-forward"),
         pytest.param(
-            "exit in backward", r"reduce-scatter of 'layers\.2'", "", id="exit-in-backward"
+            "exit in forward", r"all-gather of module 'layers\.[12]'", "", id="exit-in-forward"
+        ),
+        pytest.param(
+            "exit in backward",
+            r"reduce-scatter of module 'layers\.2'",
+            "",
+            id="exit-in-backward",
         ),
         # gloo's words depend on which of the all-gather's transfers gives up first.
         pytest.param(
             "hang in forward",
-            r"all-gather of 'layers\.[12]'",
+            r"all-gather of module 'layers\.[12]'",
             "Timed out|Application timeout",
             id="hang",
         ),
@@ -763,7 +768,9 @@ def test_dead_peer_fails_within_timeout(
     outcome = json.loads(result.read_text())
     assert outcome["type"] == "RuntimeError", outcome
     assert re.search(
-        rf"fsdp2 \(rank 0\): the {collective} failed or timed out", outcome["message"]
+        rf"fsdp2 \(rank 0\): the {collective} on the shard group \(ranks \[0, 1\], "
+        r"timeout 0:00:05\) failed or timed out",
+        outcome["message"],
     ), outcome
     assert "A peer rank may have died" in outcome["message"], outcome
     assert re.search(gloo_says, outcome["message"]), outcome["message"]

@@ -105,6 +105,7 @@ class SyncComm:
         self,
         kind: CommKind,
         group_name: str,
+        on: object,
         nbytes: int,
         collective: Callable[[bool], object],
         after: tuple = (),

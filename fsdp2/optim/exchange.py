@@ -16,7 +16,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from ..primitives import collectives_for
 from ..private_api import shards_tensor
+from ..timeouts import naming_failures
 from .newton_schulz import orthogonalize
 from .owners import assign_owners, newton_schulz_cost
 
@@ -101,7 +103,7 @@ def orthogonalize_row_blocks(
         This rank's rows of each orthogonalized matrix (bfloat16, contiguous).
     """
     me, size = shard_group.rank, shard_group.size
-    if size == 1:
+    if size == 1 or shard_group.process_group is None:
         return [orthogonalize(b, *a) for b, a in zip(blocks, ns_args, strict=True)]
     owners = assign_owners([newton_schulz_cost(s) for s in shapes], size)
     rows = [rows_per_rank(s[0], size) for s in shapes]
@@ -116,7 +118,10 @@ def orthogonalize_row_blocks(
     send_splits = [sum(numel[i][me] for i in by_owner[d]) for d in range(size)]
     recv_splits = [sum(numel[i][s] for i in owned) for s in range(size)]
     recv = send.new_empty(sum(recv_splits))  # 1D: from each rank, its blocks of my matrices
-    dist.all_to_all_single(recv, send, recv_splits, send_splits, group=shard_group.process_group)
+    group = collectives_for(shard_group.process_group, send.device.type, "shard group")
+    what = f"Muon's all-to-all of {len(shapes)} matrices' row blocks"
+    with naming_failures(f"{what} to their owners", group):
+        dist.all_to_all_single(recv, send, recv_splits, send_splits, group=group.process_group)
 
     from_rank = [
         seg.split([numel[i][s] for i in owned]) for s, seg in enumerate(recv.split(recv_splits))
@@ -140,9 +145,8 @@ def orthogonalize_row_blocks(
     )
     back_splits = [sum(numel[i][me] for i in by_owner[s]) for s in range(size)]
     back = send_back.new_empty(sum(back_splits))
-    dist.all_to_all_single(
-        back, send_back, back_splits, recv_splits, group=shard_group.process_group
-    )
+    with naming_failures(f"{what} back from their owners", group):
+        dist.all_to_all_single(back, send_back, back_splits, recv_splits, group=group.process_group)
 
     out: list[torch.Tensor] = [torch.empty(0)] * len(shapes)
     for s, seg in enumerate(back.split(back_splits)):
