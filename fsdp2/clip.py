@@ -94,21 +94,23 @@ def clip_grad_norm_(
     grads = list(filter(_IS_GRAD, map(_GRAD, parameters)))
     if not grads:
         return torch.tensor(0.0)
-    groups = _group_by_mesh(grads)
-    total = _total_norm(groups, norm_type, foreach, grads[0].device)
-    if error_if_nonfinite and not torch.isfinite(total).item():
-        raise RuntimeError(
-            f"clip_grad_norm_: the total {norm_type}-norm of the gradients is {total.item()}, "
-            "so clipping would make them NaN or zero. Pass error_if_nonfinite=False to clip "
-            "anyway, or find the parameter whose gradient is not finite."
-        )
+    groups = group_by_mesh(grads)
+    total = total_norm(groups, norm_type, foreach, grads[0].device, error_if_nonfinite)
     # Scaling needs no communication: each rank scales its own shards, as plain
     # tensors (one multi-tensor call; on DTensors each op would be dispatched
     # through sharding propagation, and refused across meshes).
-    _scale([t for locals_ in groups.values() for t in locals_], max_norm, total, foreach)
+    scale([t for locals_ in groups.values() for t in locals_], max_norm, total, foreach)
     return total
 
 
+class UnsupportedPlacement(ValueError):
+    """A gradient placed other than ``Shard`` or ``Replicate`` (e.g.
+    ``Partial``): its norm needs a reduction of its own."""
+
+
+# torch's, bound at import: install_as_torch_fsdp() may route the public name
+# to fsdp2 (torch_clipping.py), which calls back here for the local norms.
+_TORCH_TOTAL_NORM = torch.nn.utils.get_total_norm
 _GRAD = operator.attrgetter("grad")
 _IS_GRAD = functools.partial(operator.is_not, None)
 _MESH = operator.attrgetter("mesh")
@@ -117,7 +119,7 @@ _DEVICE = operator.attrgetter("device")
 _DTYPE = operator.attrgetter("dtype")
 
 
-def _scale(
+def scale(
     grads: list[torch.Tensor], max_norm: float, total: torch.Tensor, foreach: bool | None
 ) -> None:
     """Multiplies ``grads`` by ``min(1, max_norm / (total + 1e-6))``, as
@@ -140,10 +142,15 @@ def _scale(
             foreach_mul_(same, device_coef)
 
 
-def _group_by_mesh(grads: list[torch.Tensor]) -> dict[_GroupKey, list[torch.Tensor]]:
+def group_by_mesh(grads: list[torch.Tensor]) -> dict[_GroupKey, list[torch.Tensor]]:
     """The gradients' local tensors by (mesh, sharded axes). Insertion order
     follows the gradients, the same on every rank, so the groups' all-reduces
-    pair up across ranks."""
+    pair up across ranks.
+
+    Raises:
+        UnsupportedPlacement: if a gradient is placed other than ``Shard`` or
+            ``Replicate``.
+    """
     specs = dtensor_specs(grads)
     if specs:
         # Usually every gradient has one mesh and one placement: two counts
@@ -175,7 +182,7 @@ def _group_key(
         if shards_tensor(placement):
             sharded_axes.append(axis)
         elif not isinstance(placement, Replicate):
-            raise ValueError(
+            raise UnsupportedPlacement(
                 f"clip_grad_norm_: the gradient of parameter #{index} (global shape "
                 f"{tuple(grad.shape)}) is placed {placement!r} on mesh axis {axis}; only Shard "
                 "and Replicate gradients have a norm without communication of their own. "
@@ -184,7 +191,27 @@ def _group_key(
     return mesh, tuple(sharded_axes)
 
 
-def _total_norm(
+def total_norm(
+    groups: dict[_GroupKey, list[torch.Tensor]],
+    norm_type: float,
+    foreach: bool | None,
+    device: torch.device,
+    error_if_nonfinite: bool,
+) -> torch.Tensor:
+    """The total ``norm_type``-norm of the gradients in ``groups`` (from
+    ``group_by_mesh``): one all-reduce per group and sharded mesh axis, the
+    result the same on every rank, on ``device``."""
+    total = _combined_norm(groups, norm_type, foreach, device)
+    if error_if_nonfinite and not torch.isfinite(total).item():
+        raise RuntimeError(
+            f"clip_grad_norm_: the total {norm_type}-norm of the gradients is {total.item()}, "
+            "so clipping would make them NaN or zero. Pass error_if_nonfinite=False to clip "
+            "anyway, or find the parameter whose gradient is not finite."
+        )
+    return total
+
+
+def _combined_norm(
     groups: dict[_GroupKey, list[torch.Tensor]],
     norm_type: float,
     foreach: bool | None,
@@ -220,7 +247,7 @@ def _local_norm(
         tensors = [t for t in tensors if t.numel() > 0]
     if not tensors:
         return torch.zeros(())
-    return torch.nn.utils.get_total_norm(tensors, norm_type, foreach=foreach)
+    return _TORCH_TOTAL_NORM(tensors, norm_type, foreach=foreach)
 
 
 def _role(mesh: DeviceMesh, axis: int) -> str:

@@ -22,6 +22,7 @@ import logging
 import operator
 from collections.abc import Callable
 from datetime import timedelta
+from types import ModuleType
 from typing import Any, Literal, TypeVar
 
 import torch
@@ -549,3 +550,16 @@ def set_group_timeout(group: dist.ProcessGroup, timeout: timedelta) -> None:
     ``ProcessGroup.set_timeout`` has no documentation saying what it reaches.
     """
     dist.distributed_c10d._set_pg_timeout(timeout, group)
+
+
+def clip_grad_norm_helpers() -> tuple[ModuleType, tuple[str, str]]:
+    """The module of ``torch.nn.utils.clip_grad_norm_`` and the names of the
+    two functions it calls (the total norm, then the scaling).
+
+    Why private: ``clip_grad_norm_`` looks these up in its module's globals at
+    each call, so routing them reaches every caller, also one that bound
+    ``clip_grad_norm_`` at its import; their public aliases
+    (``torch.nn.utils.get_total_norm``, ``clip_grads_with_norm_``) are other
+    bindings, which ``clip_grad_norm_`` does not read.
+    """
+    return torch.nn.utils.clip_grad, ("_get_total_norm", "_clip_grads_with_norm_")

@@ -1,5 +1,6 @@
 """``install_as_torch_fsdp``: fsdp2's objects under torch's public FSDP2 names, for
-libraries that look those names up when they run (accelerate, transformers).
+libraries that look those names up when they run (accelerate, transformers),
+and torch's gradient clipping routed to fsdp2's (torch_clipping.py).
 
 The one place where fsdp2 touches torch's FSDP: it writes names into torch's
 namespaces and never calls torch's implementation. torch's modules are
@@ -17,6 +18,7 @@ from .fully_shard import fully_shard
 from .mesh import DataParallelMeshDims
 from .module import FSDPModule, UnshardHandle, register_fsdp_forward_method, share_comm_ctx
 from .policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from .torch_clipping import route_torch_clipping
 
 # torch's public FSDP2 names whose fsdp2 object has the same meaning.
 FSDP2_OBJECTS: dict[str, object] = {
@@ -51,19 +53,19 @@ class TorchFSDPNames:
     """What ``install_as_torch_fsdp`` replaced. ``undo()`` (or leaving the
     ``with`` block) puts torch's objects back."""
 
-    def __init__(self, replaced: list[tuple[ModuleType, str, object]]) -> None:
-        self._replaced = replaced  # (namespace, name, torch's object)
+    def __init__(self, replaced: list[tuple[ModuleType, str, object, object]]) -> None:
+        self._replaced = replaced  # (namespace, name, torch's object, fsdp2's)
 
     @property
     def replaced(self) -> list[str]:
         """The names replaced, as ``module.name``."""
-        return [f"{module.__name__}.{name}" for module, name, _ in self._replaced]
+        return [f"{module.__name__}.{name}" for module, name, _, _ in self._replaced]
 
     def undo(self) -> None:
         """Puts torch's objects back under the names this install replaced
         (a name set to something else since is left as it is). Idempotent."""
-        for module, name, original in reversed(self._replaced):
-            if getattr(module, name, None) is FSDP2_OBJECTS[name]:
+        for module, name, original, installed in reversed(self._replaced):
+            if getattr(module, name, None) is installed:
                 setattr(module, name, original)
         self._replaced = []
 
@@ -79,7 +81,7 @@ class TorchFSDPNames:
         self.undo()
 
 
-def install_as_torch_fsdp() -> TorchFSDPNames:
+def install_as_torch_fsdp(*, clipping: bool = True) -> TorchFSDPNames:
     """Puts fsdp2's ``fully_shard``, ``FSDPModule``, ``UnshardHandle``,
     ``register_fsdp_forward_method``, ``share_comm_ctx``,
     ``DataParallelMeshDims`` and policies under the same names in
@@ -91,6 +93,13 @@ def install_as_torch_fsdp() -> TorchFSDPNames:
     at its own import keeps torch's, and is named in a warning. Process-wide
     until undone; calling it again changes nothing.
 
+    Args:
+        clipping: also route ``torch.nn.utils.clip_grad_norm_``,
+            ``get_total_norm`` and ``clip_grads_with_norm_`` over DTensor
+            gradients to fsdp2's local norms (torch_clipping.py): the same
+            clipping at the speed of plain tensors, the norm a ``Replicate``
+            DTensor where torch's is a partial one. (Default: True)
+
     Returns:
         A ``TorchFSDPNames``: ``undo()`` restores torch's names, and ``with
         fsdp2.install_as_torch_fsdp():`` installs for the block only.
@@ -98,14 +107,16 @@ def install_as_torch_fsdp() -> TorchFSDPNames:
     # All imported before any is changed: one imported later would bind fsdp2's
     # objects from the start, and undo() would not give it torch's.
     modules = [importlib.import_module(namespace) for namespace in TORCH_NAMESPACES]
-    replaced: list[tuple[ModuleType, str, object]] = []
+    replaced: list[tuple[ModuleType, str, object, object]] = []
     for module in modules:
         for name, fsdp2_object in FSDP2_OBJECTS.items():
             original = getattr(module, name, fsdp2_object)
             if original is not fsdp2_object:
-                replaced.append((module, name, original))
+                replaced.append((module, name, original, fsdp2_object))
                 setattr(module, name, fsdp2_object)
-    _warn_about_early_bindings({name: original for _, name, original in replaced})
+    _warn_about_early_bindings({name: original for _, name, original, _ in replaced})
+    if clipping:
+        replaced += route_torch_clipping()
     return TorchFSDPNames(replaced)
 
 

@@ -28,6 +28,7 @@ from models import (
 from torch.distributed.tensor import DTensor, Shard
 
 import fsdp2
+from fsdp2 import torch_clipping
 from fsdp2.torch_names import FSDP2_OBJECTS, TORCH_NAMESPACES
 
 STEPS = 3
@@ -43,15 +44,33 @@ def _torch_names() -> dict[tuple[str, str], object]:
     return found
 
 
+CLIPPING = {
+    "torch.nn.utils": ("clip_grad_norm_", "get_total_norm", "clip_grads_with_norm_"),
+    "torch.nn.utils.clip_grad": ("clip_grad_norm_", "_get_total_norm", "_clip_grads_with_norm_"),
+}
+
+
+def _clipping_names() -> dict[str, object]:
+    return {
+        f"{namespace}.{name}": getattr(importlib.import_module(namespace), name)
+        for namespace, names in CLIPPING.items()
+        for name in names
+    }
+
+
 def test_install_puts_fsdp2_under_torchs_names_and_undo_restores_them() -> None:
     before = _torch_names()
+    clipping = _clipping_names()
     assert before[("torch.distributed.fsdp", "FSDPModule")] is not fsdp2.FSDPModule
     defining = importlib.import_module("torch.distributed.fsdp._fully_shard._fully_shard")
     torch_module_class = defining.FSDPModule
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # other test modules may hold torch's names
         with fsdp2.install_as_torch_fsdp() as names:
-            assert len(names.replaced) == len(before)
+            assert len(names.replaced) == len(before) + len(clipping)
+            assert set(names.replaced) >= clipping.keys()
+            for name, routed in _clipping_names().items():
+                assert routed is getattr(torch_clipping, name.rsplit(".", 1)[1].lstrip("_")), name
             for (namespace, name), _ in before.items():
                 assert getattr(sys.modules[namespace], name) is FSDP2_OBJECTS[name], name
             from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -68,8 +87,14 @@ def test_install_puts_fsdp2_under_torchs_names_and_undo_restores_them() -> None:
             again.undo()
             assert torch_fsdp.fully_shard is fsdp2.fully_shard
     assert _torch_names() == before
+    assert _clipping_names() == clipping
     names.undo()  # a second undo changes nothing
     assert _torch_names() == before
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with fsdp2.install_as_torch_fsdp(clipping=False) as names:
+            assert _clipping_names() == clipping
+            assert len(names.replaced) == len(before)
 
 
 def test_undo_restores_torchs_names_in_namespaces_imported_by_the_install() -> None:

@@ -54,12 +54,13 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard  # the reference only
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.testing import assert_close
 from torch.testing._internal.distributed._tensor.common_dtensor import (
     Transformer,
     TransformerBlock,
 )
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import fsdp2
 from fsdp2.common import ShardedState
@@ -841,6 +842,64 @@ def _clip_grad_norm(rank: int, world_size: int, mesh: DeviceMesh, frozen: tuple[
     _train_in_parity(model, ref, rank, world_size, after_backward=clip_and_check)
 
 
+class DTensorOps(TorchDispatchMode):
+    """Counts the ops run on a DTensor (each dispatched through sharding
+    propagation)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.count += DTensor in types
+        return func(*args, **(kwargs or {}))
+
+
+def _torchs_clipping_routed(rank: int, world_size: int, mesh: DeviceMesh) -> None:
+    from torch.nn.utils import clip_grad_norm_ as bound_before_the_install
+
+    ref, model = build_model(KIND), build_model(KIND)
+    shard_model(model, mesh=mesh)
+    max_norm = 0.1
+
+    def torchtitans(params: Iterator[nn.Parameter]) -> torch.Tensor:
+        params = list(params)
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm.full_tensor())
+        return norm
+
+    clips = [  # one per step
+        lambda params: torch.nn.utils.clip_grad_norm_(params, max_norm),
+        lambda params: bound_before_the_install(params, max_norm),
+        torchtitans,
+    ]
+
+    def clip_and_check(step: int) -> None:
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
+        with DTensorOps() as ops:
+            norm = clips[step](model.parameters())
+        assert ops.count == 0, f"step {step}: {ops.count} ops on DTensors"
+        assert isinstance(norm, DTensor) and norm.placements == (Replicate(),), norm
+        assert ref_norm > 2 * max_norm, f"step {step}: {ref_norm} does not clip much"
+        assert_close(norm.full_tensor(), ref_norm, **REF_TOL)
+
+    with fsdp2.install_as_torch_fsdp():
+        _train_in_parity(model, ref, rank, world_size, after_backward=clip_and_check)
+        # torch's dtype: the norm of bf16 gradients is bf16.
+        full = torch.randn(13, 5, generator=torch.Generator().manual_seed(0))
+        bf16 = distribute_tensor(full.bfloat16(), mesh, [Shard(0)])
+        norm = torch.nn.utils.get_total_norm([bf16], 3.0)
+        assert norm.dtype == torch.bfloat16
+        assert_close(norm.full_tensor(), torch.linalg.vector_norm(full.bfloat16(), 3.0))
+        # A Partial gradient is left to torch's own, which reduces it.
+        partial = DTensor.from_local(full * (rank + 1), mesh, [Partial()])
+        with DTensorOps() as ops:
+            norm = torch.nn.utils.get_total_norm([partial])
+        assert ops.count > 0
+        expected = torch.linalg.vector_norm(full * sum(range(1, world_size + 1)))
+        assert_close(norm.full_tensor(), expected)
+
+
 def _frozen_tied_ignored(rank: int, world_size: int) -> None:
     mesh = init_device_mesh("cpu", (world_size,))
     with labelled("LoRA: frozen weight, trainable bias and adapter in one group"):
@@ -854,6 +913,8 @@ def _frozen_tied_ignored(rank: int, world_size: int) -> None:
     for frozen in ((), FROZEN):
         with labelled(f"clip_grad_norm_, frozen {frozen}"):
             _clip_grad_norm(rank, world_size, mesh, frozen)
+    with labelled("torch's clipping routed by install_as_torch_fsdp()"):
+        _torchs_clipping_routed(rank, world_size, mesh)
 
 
 @pytest.mark.distributed
@@ -870,7 +931,13 @@ def test_frozen_tied_ignored_params_and_clipping(world_size: int, tmp_path: Path
     (like torch's), while the other grads are the reference's.
     clip_grad_norm_(model.parameters(), 0.1) returns a DTensor whose full
     tensor is the reference's total norm (1e-5), and the clipped grads and the
-    trained parameters are the reference's, with and without frozen params."""
+    trained parameters are the reference's, with and without frozen params.
+    The same under install_as_torch_fsdp(), which routes torch's clipping to
+    local norms: torch.nn.utils.clip_grad_norm_, the same function bound
+    before the install, and torchtitan's get_total_norm + clip_grads_with_norm_
+    run no op on a DTensor and return a Replicate DTensor of the reference's
+    norm; bf16 gradients give a bf16 norm, as torch's; a Partial gradient is
+    left to torch's own."""
     run_ranks(_frozen_tied_ignored, world_size, tmp_path)
 
 
