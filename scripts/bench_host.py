@@ -33,7 +33,9 @@ rank's, at world size 2) and the ratios to plain:
 - forward+backward;
 - one optimizer step each of ``AdamW(foreach=True)``, ``AdamW(fused=True)``
   and ``SGD(foreach=True, momentum=0.9)``, on the gradients of that backward;
-- ``torch.nn.utils.clip_grad_norm_`` and (fsdp2 only) ``fsdp2.clip_grad_norm_``;
+- ``torch.nn.utils.clip_grad_norm_``, and for fsdp2 also the same function as
+  ``fsdp2.install_as_torch_fsdp()`` routes it ("installed") and
+  ``fsdp2.clip_grad_norm_``;
 - the whole step: forward, backward, a clip (``fsdp2.clip_grad_norm_`` for
   fsdp2, torch's for the others), the AdamW foreach step, ``zero_grad()``.
 """
@@ -58,6 +60,8 @@ import torch.nn as nn
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import fsdp2  # noqa: E402
+from fsdp2.torch_clipping import route_torch_clipping  # noqa: E402
+from fsdp2.torch_names import TorchFSDPNames  # noqa: E402
 
 GROUPS = 16
 DIM = 8
@@ -69,6 +73,7 @@ MEASURES = (
     "AdamW fused",
     "SGD foreach",
     "clip (torch's)",
+    "clip (torch's, installed)",
     "clip (fsdp2's)",
     "whole step",
 )
@@ -109,6 +114,16 @@ def _models(
             shard(group, mesh=mesh)
         models[name] = shard(model, mesh=mesh)
     return models
+
+
+def _installed_clip(params: list[nn.Parameter]) -> object:
+    """``torch.nn.utils.clip_grad_norm_`` as ``fsdp2.install_as_torch_fsdp()``
+    routes it, for this call only (the plain model's clip stays torch's own)."""
+    routed = TorchFSDPNames(route_torch_clipping())
+    try:
+        return torch.nn.utils.clip_grad_norm_(params, 1.0)
+    finally:
+        routed.undo()
 
 
 def _optimizers(model: nn.Module) -> dict[str, torch.optim.Optimizer]:
@@ -172,6 +187,7 @@ def _run(
             found["clip (torch's)"] = lambda: torch.nn.utils.clip_grad_norm_(params, 1.0)
         if name == "fsdp2":
             found["clip (fsdp2's)"] = lambda: fsdp2.clip_grad_norm_(params, 1.0)
+            found["clip (torch's, installed)"] = lambda: _installed_clip(params)
         return found
 
     times: dict[tuple[str, str], list[float]] = {}
@@ -228,7 +244,8 @@ def _table(results: dict[tuple[str, str], float], params: int, world_size: int, 
         def ratio(a: float | None, b: float | None) -> str:
             return f"{a / b:.2f}" if a is not None and b else ""
 
-        if measure == "clip (fsdp2's)":  # against plain tensors and torch's clip on torch's
+        if measure in ("clip (fsdp2's)", "clip (torch's, installed)"):
+            # against plain tensors and torch's clip on torch's
             plain, theirs = (
                 results.get(("clip (torch's)", "plain")),
                 results.get(("clip (torch's)", "torch")),
