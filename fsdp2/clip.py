@@ -34,6 +34,7 @@ from .private_api import (
     locals_in_place,
     shards_tensor,
 )
+from .sharded_grads import whole_buffers
 from .timeouts import naming_failures
 
 # (mesh, mesh axes the gradient is sharded over); (None, ()) for plain tensors.
@@ -151,6 +152,8 @@ def group_by_mesh(grads: list[torch.Tensor]) -> dict[_GroupKey, list[torch.Tenso
         UnsupportedPlacement: if a gradient is placed other than ``Shard`` or
             ``Replicate``.
     """
+    # A group's grads that fsdp2 keeps in one buffer go in as that buffer.
+    whole = whole_buffers(grads)
     specs = dtensor_specs(grads)
     if specs:
         # Usually every gradient has one mesh and one placement: two counts
@@ -163,15 +166,30 @@ def group_by_mesh(grads: list[torch.Tensor]) -> dict[_GroupKey, list[torch.Tenso
         ):
             locals_ = list(grads)
             locals_in_place(locals_)
-            return {_group_key(first.mesh, first.placements, grads[0], 0): locals_}
+            key = _group_key(first.mesh, first.placements, grads[0], 0)
+            return {key: with_buffers(locals_, whole)}
     groups: dict[_GroupKey, list[torch.Tensor]] = {}
     for index, grad in enumerate(grads):
         if isinstance(grad, DTensor):
             key = _group_key(grad.device_mesh, grad.placements, grad, index)
-            groups.setdefault(key, []).append(local_tensor(grad))
+            tensor = whole[index] if index in whole else local_tensor(grad)
         else:
-            groups.setdefault((None, ()), []).append(grad)
+            key, tensor = (None, ()), grad
+        group = groups.setdefault(key, [])
+        if tensor is not None:
+            group.append(tensor)
     return groups
+
+
+def with_buffers(
+    tensors: list[torch.Tensor], whole: dict[int, torch.Tensor | None]
+) -> list[torch.Tensor]:
+    """``tensors`` (the gradients' local tensors) with each buffer of
+    ``whole_buffers`` in place of its gradients."""
+    if not whole:
+        return tensors
+    found = [whole.get(index, tensor) for index, tensor in enumerate(tensors)]
+    return [tensor for tensor in found if tensor is not None]
 
 
 def _group_key(

@@ -24,18 +24,29 @@ were dropped, and allocated again at the next reduction, so between
 Not for CPU offload (the grads go to pinned host memory, offload.py): the
 group keeps the per-parameter path there, and wherever the grads are neither
 all None nor all this buffer's (a user assigned some).
+
+Gradient clipping reads the buffer too (``whole_buffers``): given all of a
+buffer's grads, and no padding in it, their norm is the buffer's and scaling
+them is scaling it, one op for the group where the grads take one each.
 """
 
 from __future__ import annotations
 
 import operator
 import sys
+import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
-from .private_api import local_tensor, post_accumulate_grad_hooks, storage_use_count
+from .private_api import (
+    dtensor_specs,
+    local_tensor,
+    locals_in_place,
+    post_accumulate_grad_hooks,
+    storage_use_count,
+)
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
@@ -102,7 +113,16 @@ class ShardedGrads:
         self.grads: list[DTensor] = [
             p.as_sharded_grad(local) for p, local in zip(fsdp_params, self.locals, strict=True)
         ]
-        # What the counts are while nothing else refers to the tensors.
+        # Clipping may take the buffer for the grads: it holds nothing else,
+        # and they have one mesh and placements (so one group of clipping's).
+        specs = dtensor_specs(self.grads) or []
+        self.clippable = sum(shape.numel() for _, shape in slots) == self.flat.numel() and (
+            len({(spec.mesh, spec.placements) for spec in specs}) == 1
+        )
+        self._grad_ids = frozenset(map(id, self.grads))
+        _name_owner(self.grads, self)
+        # What the counts are while nothing else refers to the tensors (so no
+        # local variable here holds one).
         self._alone = self._counts()
 
     def _counts(self) -> tuple[set[int], set[int], int]:
@@ -159,3 +179,45 @@ class ShardedGrads:
             return False
         self.flat.untyped_storage().resize_(0)
         return True
+
+    def whole(self, grads: list[torch.Tensor]) -> bool:
+        """Whether ``grads`` (tensors that name this buffer as theirs) are all
+        of this buffer's grads, each once, still views of it: then the buffer
+        stands for them."""
+        if not (self.clippable and len(grads) == len(self.grads)):
+            return False
+        if set(map(id, grads)) != self._grad_ids:  # e.g. deep copies, which keep the name
+            return False
+        locals_ = list(self.grads)
+        locals_in_place(locals_)
+        return all(map(operator.is_, locals_, self.locals)) and (
+            self.flat.untyped_storage().size() == self.nbytes
+        )
+
+
+_OWNER = "_fsdp2_sharded_grads"
+
+
+def _name_owner(grads: list[DTensor], buffer: ShardedGrads) -> None:
+    owner = weakref.ref(buffer)  # a grad does not keep its buffer alive
+    for grad in grads:
+        setattr(grad, _OWNER, owner)
+
+
+def whole_buffers(grads: Sequence[torch.Tensor]) -> dict[int, torch.Tensor | None]:
+    """For gradient clipping: where in ``grads`` all of a ``ShardedGrads``'
+    grads are (each once), its flat buffer at the first of their positions,
+    and None at the others. The buffer's norm is theirs (it holds nothing
+    else), and scaling it scales them."""
+    positions: dict[ShardedGrads, list[int]] = {}
+    for index, grad in enumerate(grads):
+        owner = getattr(grad, _OWNER, None)
+        buffer = owner() if owner is not None else None
+        if buffer is not None:
+            positions.setdefault(buffer, []).append(index)
+    found: dict[int, torch.Tensor | None] = {}
+    for buffer, indices in positions.items():
+        if buffer.whole([grads[i] for i in indices]):
+            found[indices[0]] = buffer.flat
+            found.update(dict.fromkeys(indices[1:]))
+    return found

@@ -29,8 +29,17 @@ from types import ModuleType
 import torch
 from torch.distributed.tensor import DTensor, Replicate
 
-from .clip import _GRAD, _IS_GRAD, UnsupportedPlacement, group_by_mesh, scale, total_norm
+from .clip import (
+    _GRAD,
+    _IS_GRAD,
+    UnsupportedPlacement,
+    group_by_mesh,
+    scale,
+    total_norm,
+    with_buffers,
+)
 from .private_api import clip_grad_norm_helpers, dtensor_specs, local_tensor, locals_in_place
+from .sharded_grads import whole_buffers
 
 # torch's, bound at import (before any routing), for what is not routed.
 _TORCH_CLIP_GRAD_NORM = torch.nn.utils.clip_grad_norm_
@@ -126,7 +135,7 @@ def _scale(
         locals_in_place(locals_)
     else:
         locals_ = [local_tensor(g) if isinstance(g, DTensor) else g for g in grads]
-    scale(locals_, max_norm, total, foreach)
+    scale(with_buffers(locals_, whole_buffers(grads)), max_norm, total, foreach)
 
 
 def _like_torchs(total: torch.Tensor, first: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,8 @@ of the sharded models holds (8 / W x 8).
     python scripts/bench_host.py                          # 1k, 5k, 20k tensors; 1 and 2 ranks
     python scripts/bench_host.py --params 1000 --world-sizes 1 --rounds 5
     python scripts/bench_host.py --device cuda --world-sizes 1  # one GPU, NCCL
+    python scripts/bench_host.py --params 20000 --world-sizes 1 --torch-up-to 20000 \
+        --measures "whole step" --step-optimizer "AdamW fused"     # torch's step at 20k
 
 On a GPU each measure ends with ``torch.cuda.synchronize()``, so a time is
 the host's or the device's, whichever is longer: with tensors this small the
@@ -143,6 +145,8 @@ def _run(
     rounds: int,
     with_torch: bool,
     device_type: str,
+    measured: tuple[str, ...],
+    step_optimizer: str,
     out: str,
 ) -> None:
     torch.set_num_threads(1)
@@ -175,8 +179,8 @@ def _run(
         def whole() -> None:
             backward(model)
             clip()
-            opt["AdamW foreach"].step()
-            opt["AdamW foreach"].zero_grad()
+            opt[step_optimizer].step()
+            opt[step_optimizer].zero_grad()
 
         found: dict[str, Callable[[], object]] = {
             "forward+backward": lambda: backward(model),
@@ -193,6 +197,9 @@ def _run(
     times: dict[tuple[str, str], list[float]] = {}
 
     def timed(measure: str, name: str, fn: Callable[[], object], keep: bool) -> None:
+        if measure not in measured and measure != "forward+backward":  # the gradients
+            return
+        keep = keep and measure in measured
         dist.barrier()
         start = time.perf_counter()
         fn()
@@ -226,17 +233,23 @@ def _run(
     dist.destroy_process_group()
 
 
-def _table(results: dict[tuple[str, str], float], params: int, world_size: int, device: str) -> str:
+def _table(
+    results: dict[tuple[str, str], float],
+    params: int,
+    world_size: int,
+    device: str,
+    step_optimizer: str = "AdamW foreach",
+) -> str:
     head = (
         f"{params:,} parameter tensors in {GROUPS} groups, world size {world_size}, {device}"
-        " (ms, median)"
+        f" (ms, median; the whole step with {step_optimizer})"
     )
     rows = [
         head,
         f"| measure | {' | '.join(MODELS)} | fsdp2 / plain | torch / plain | fsdp2 / torch |",
     ]
     rows.append("|---" * 7 + "|")
-    for measure in MEASURES:
+    for measure in [m for m in MEASURES if any(key[0] == m for key in results)]:
         values = {n: results.get((measure, n)) for n in MODELS}
         cells = [f"{v * 1e3:.1f}" if v is not None else "" for v in values.values()]
         plain, mine, theirs = values["plain"], values["fsdp2"], values["torch"]
@@ -264,6 +277,21 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--torch-up-to", type=int, default=1000, help="the most tensors torch runs")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument(
+        "--measures",
+        nargs="+",
+        choices=MEASURES,
+        default=list(MEASURES),
+        metavar="MEASURE",
+        help='the measures to run (default: all); e.g. "whole step" alone skips torch\'s\n'
+        "first AdamW foreach step, which above a few thousand tensors takes hours",
+    )
+    p.add_argument(
+        "--step-optimizer",
+        default="AdamW foreach",
+        choices=("AdamW foreach", "AdamW fused"),
+        help="the whole step's optimizer (default: AdamW foreach)",
+    )
     args = p.parse_args(argv)
     if args.device == "cuda" and max(args.world_sizes) > torch.cuda.device_count():
         p.error(f"--device cuda needs a GPU per rank; this machine has {torch.cuda.device_count()}")
@@ -280,6 +308,8 @@ def main(argv: list[str] | None = None) -> None:
                         args.rounds,
                         params <= args.torch_up_to,
                         args.device,
+                        tuple(args.measures),
+                        args.step_optimizer,
                         out,
                     ),
                     nprocs=world_size,
@@ -288,7 +318,8 @@ def main(argv: list[str] | None = None) -> None:
                 for line in Path(out).read_text().splitlines():
                     measure, name, value = line.split("\t")
                     results[(measure, name)] = float(value)
-            print(_table(results, params, world_size, args.device), flush=True)
+            table = _table(results, params, world_size, args.device, args.step_optimizer)
+            print(table, flush=True)
             print()
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import math
+import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -883,7 +884,10 @@ def _torchs_clipping_routed(rank: int, world_size: int, mesh: DeviceMesh) -> Non
         assert ref_norm > 2 * max_norm, f"step {step}: {ref_norm} does not clip much"
         assert_close(norm.full_tensor(), ref_norm, **REF_TOL)
 
-    with fsdp2.install_as_torch_fsdp():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # this module holds torch's fully_shard (the reference)
+        names = fsdp2.install_as_torch_fsdp()
+    with names:
         _train_in_parity(model, ref, rank, world_size, after_backward=clip_and_check)
         # torch's dtype: the norm of bf16 gradients is bf16.
         full = torch.randn(13, 5, generator=torch.Generator().manual_seed(0))
@@ -898,6 +902,54 @@ def _torchs_clipping_routed(rank: int, world_size: int, mesh: DeviceMesh) -> Non
         assert ops.count > 0
         expected = torch.linalg.vector_norm(full * sum(range(1, world_size + 1)))
         assert_close(norm.full_tensor(), expected)
+
+
+class ForeachNorms(TorchDispatchMode):
+    """The number of tensors in each ``_foreach_norm``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sizes: list[int] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func.overloadpacket is torch.ops.aten._foreach_norm:
+            self.sizes.append(len(args[0]))
+        return func(*args, **(kwargs or {}))
+
+
+def _clipping_reads_whole_buffers(rank: int, world_size: int, mesh: DeviceMesh) -> None:
+    model = build_model(KIND)
+    shard_model(model, mesh=mesh)
+    mean_loss(model, *local_batch(global_batch(KIND, 0), rank, world_size)).backward()
+    params = list(model.parameters())
+    fulls = [p.grad.full_tensor() for p in params]
+
+    def expected_norm(chosen: list[int]) -> torch.Tensor:
+        return torch.linalg.vector_norm(torch.cat([fulls[i].flatten() for i in chosen]))
+
+    everything = list(range(len(params)))
+    with ForeachNorms() as whole:
+        norm = fsdp2.clip_grad_norm_(params, max_norm=1e9)  # norms only (a factor of 1)
+    assert_close(norm, expected_norm(everything), **REF_TOL)
+    # The groups whose buffers hold no padding go in as one tensor each.
+    assert sum(whole.sizes) < len(params), whole.sizes
+    # Without one parameter its group goes in per gradient, and the norm is the rest's.
+    names = [name for name, _ in model.named_parameters()]
+    left_out = names.index("layers.0.attention.wq.weight")  # a block of even shapes
+    chosen = [i for i in everything if i != left_out]
+    with ForeachNorms() as partial:
+        norm = fsdp2.clip_grad_norm_([params[i] for i in chosen], max_norm=1e9)
+    assert sum(partial.sizes) > sum(whole.sizes), (partial.sizes, whole.sizes)
+    assert_close(norm, expected_norm(chosen), **REF_TOL)
+    # A gradient given twice counts twice, as torch's: per gradient.
+    twice = fsdp2.clip_grad_norm_([params[0], *params], max_norm=1e9)
+    assert_close(twice, expected_norm([0, *everything]), **REF_TOL)
+    # Scaling the buffers scales every gradient by torch's factor.
+    max_norm = 0.5 * float(expected_norm(everything))
+    total = fsdp2.clip_grad_norm_(params, max_norm)
+    factor = max_norm / (total + 1e-6)
+    for param, full in zip(params, fulls, strict=True):
+        assert_close(param.grad.full_tensor(), full * factor, **REF_TOL)
 
 
 def _frozen_tied_ignored(rank: int, world_size: int) -> None:
@@ -915,6 +967,8 @@ def _frozen_tied_ignored(rank: int, world_size: int) -> None:
             _clip_grad_norm(rank, world_size, mesh, frozen)
     with labelled("torch's clipping routed by install_as_torch_fsdp()"):
         _torchs_clipping_routed(rank, world_size, mesh)
+    with labelled("clipping reads a group's gradients as its buffer"):
+        _clipping_reads_whole_buffers(rank, world_size, mesh)
 
 
 @pytest.mark.distributed
@@ -937,7 +991,10 @@ def test_frozen_tied_ignored_params_and_clipping(world_size: int, tmp_path: Path
     before the install, and torchtitan's get_total_norm + clip_grads_with_norm_
     run no op on a DTensor and return a Replicate DTensor of the reference's
     norm; bf16 gradients give a bf16 norm, as torch's; a Partial gradient is
-    left to torch's own."""
+    left to torch's own. Clipping takes a group's gradients as their one
+    buffer when all of them are given (fewer tensors normed than parameters),
+    per gradient when one is missing or one is given twice, the norms and the
+    scaled gradients the reference's each way."""
     run_ranks(_frozen_tied_ignored, world_size, tmp_path)
 
 
