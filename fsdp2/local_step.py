@@ -47,9 +47,10 @@ Only the classes in ``ELEMENTWISE`` (exact classes: a subclass may override
 path; so do compiled steps and ``differentiable=True``.
 
 SGD writes its momentum buffers back into its state after its math, from the
-lists it stepped, so under the local tensors' keys: ``restore_state`` then
-drops those entries, and wraps the buffers a step made as DTensors under the
-parameters' keys (the buffers it already had are DTensors there, updated in
+lists it stepped, so under the local tensors' keys (made before the step,
+one dict shared by all: a new dict per parameter per step costs more than the
+write-back): ``restore_state`` then drops those entries, and wraps the
+buffers a step made as DTensors under the parameters' keys (the buffers it already had are DTensors there, updated in
 place through their local tensors).
 """
 
@@ -300,6 +301,11 @@ class LocalInitGroup:
         params, before = list(lists[0]), list(lists[index])
         if _step_locally(lists, self._checked, key):
             self._to_restore.append((params, lists[0], before, lists[index]))
+            if not any(map(operator.is_, params, lists[0])):
+                # The write-back's entries, made ahead as one dict they all share:
+                # a dict made per parameter per step (the state's default) costs
+                # more than the write-back, and sets off the garbage collector.
+                optimizer.state.update(zip(lists[0], itertools.repeat({})))
         return result
 
     def restore_state(self) -> None:

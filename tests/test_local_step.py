@@ -13,6 +13,7 @@ the same path.
 
 from __future__ import annotations
 
+import collections
 import copy
 from pathlib import Path
 from typing import Any
@@ -321,6 +322,24 @@ def _run_refill(rank: int) -> None:
         # again) run the optimizer's own.
         expected = ([1] if label == "SGD" else []) + [2, 4, 5]
         assert calls == expected, f"{label}: _init_group ran at steps {calls}"
+        # No state entry is made per parameter per step (SGD writes its buffers
+        # back under the local tensors' keys: those entries are made ahead).
+        optim = optims[0]
+        optim.state = _MissCounting(dict, optim.state)
+        ours(_batch(rank, 6)).backward()
+        optim.step()
+        assert optim.state.misses == 0, f"{label}: {optim.state.misses} state entries made"
+        assert set(optim.state) == set(ours.blocks.parameters()), label
+
+
+class _MissCounting(collections.defaultdict):
+    """A state dict that counts the entries made by reading a missing key."""
+
+    misses = 0
+
+    def __missing__(self, key: Any) -> Any:
+        self.misses += 1
+        return super().__missing__(key)
 
 
 def _run(rank: int, world_size: int) -> None:
