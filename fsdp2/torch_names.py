@@ -97,7 +97,7 @@ def install_as_torch_fsdp(*, clipping: bool = True) -> TorchFSDPNames:
         clipping: also route ``torch.nn.utils.clip_grad_norm_``,
             ``get_total_norm`` and ``clip_grads_with_norm_`` over DTensor
             gradients to fsdp2's local norms (torch_clipping.py): the same
-            clipping at the speed of plain tensors, the norm a ``Replicate``
+            clipping at the speed of plain tensors or faster, the norm a ``Replicate``
             DTensor where torch's is a partial one. (Default: True)
 
     Returns:
