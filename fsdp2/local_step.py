@@ -50,8 +50,9 @@ SGD writes its momentum buffers back into its state after its math, from the
 lists it stepped, so under the local tensors' keys (made before the step,
 one dict shared by all: a new dict per parameter per step costs more than the
 write-back): ``restore_state`` then drops those entries, and wraps the
-buffers a step made as DTensors under the parameters' keys (the buffers it already had are DTensors there, updated in
-place through their local tensors).
+buffers a step made as DTensors under the parameters' keys (the buffers it
+already had are DTensors there, updated in place through their local
+tensors).
 """
 
 from __future__ import annotations
