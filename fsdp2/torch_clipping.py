@@ -25,6 +25,7 @@ import functools
 import operator
 from collections.abc import Iterable
 from types import ModuleType
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate
@@ -61,13 +62,14 @@ def clip_grad_norm_(
     several times a plain one's)."""
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     grads = list(filter(_IS_GRAD, map(_GRAD, params)))
-    total = _total_norm(grads, norm_type, error_if_nonfinite, foreach)
-    if total is None:
+    found = _total_norm(grads, norm_type, error_if_nonfinite, foreach)
+    if found is None:
         # An exhausted generator still is one: torch's warns that nothing is clipped.
         return _TORCH_CLIP_GRAD_NORM(
             params or parameters, max_norm, norm_type, error_if_nonfinite, foreach
         )
-    _scale(grads, max_norm, total, foreach)
+    total, groups = found
+    scale([t for locals_ in groups.values() for t in locals_], max_norm, total, foreach)
     return _like_torchs(total, grads[0])
 
 
@@ -80,10 +82,10 @@ def get_total_norm(
 ) -> torch.Tensor:
     """``torch.nn.utils.get_total_norm``, from the local tensors of DTensors."""
     tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
-    total = _total_norm(tensors, norm_type, error_if_nonfinite, foreach)
-    if total is None:
+    found = _total_norm(tensors, norm_type, error_if_nonfinite, foreach)
+    if found is None:
         return _TORCH_TOTAL_NORM(tensors, norm_type, error_if_nonfinite, foreach)
-    return _like_torchs(total, tensors[0])
+    return _like_torchs(found[0], tensors[0])
 
 
 @torch.no_grad()
@@ -111,9 +113,10 @@ def clip_grads_with_norm_(
 
 def _total_norm(
     tensors: list[torch.Tensor], norm_type: float, error_if_nonfinite: bool, foreach: bool | None
-) -> torch.Tensor | None:
+) -> tuple[torch.Tensor, dict[Any, list[torch.Tensor]]] | None:
     """The total norm, a plain tensor the same on every rank in the dtype
-    torch's would have; None for what torch's own should compute (no DTensor,
+    torch's would have, and the local tensors it was taken from (by
+    ``group_by_mesh``); None for what torch's own should compute (no DTensor,
     a placement other than Shard or Replicate, a norm_type not positive)."""
     norm_type = float(norm_type)
     if not (norm_type > 0 and any(isinstance(t, DTensor) for t in tensors)):
@@ -124,7 +127,7 @@ def _total_norm(
         return None
     total = total_norm(groups, norm_type, foreach, tensors[0].device, error_if_nonfinite)
     # torch's norm has the dtype its per-tensor norms promote to.
-    return total.to(functools.reduce(torch.promote_types, set(map(_DTYPE, tensors))))
+    return total.to(functools.reduce(torch.promote_types, set(map(_DTYPE, tensors)))), groups
 
 
 def _scale(
