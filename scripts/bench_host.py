@@ -40,6 +40,9 @@ rank's, at world size 2) and the ratios to plain:
   ``fsdp2.clip_grad_norm_``;
 - the whole step: forward, backward, a clip (``fsdp2.clip_grad_norm_`` for
   fsdp2, torch's for the others), the AdamW foreach step, ``zero_grad()``.
+
+Under each table, the hooks' cost: forward+backward above the plain model's,
+per group per step (microseconds), fsdp2's and torch's, and their ratio.
 """
 
 from __future__ import annotations
@@ -267,7 +270,27 @@ def _table(
             f"| {measure} | {' | '.join(cells)} | {ratio(mine, plain)} | "
             f"{ratio(values['torch'], plain)} | {ratio(mine, theirs)} |"
         )
+    rows += _hooks_line(results)
     return "\n".join(rows)
+
+
+def _hooks_line(results: dict[tuple[str, str], float]) -> list[str]:
+    """The hooks' cost as issue 33 states its target: forward+backward above
+    the plain model's, per group per step, fsdp2's against torch's."""
+    plain = results.get(("forward+backward", "plain"))
+    above = {
+        name: (value - plain) / GROUPS * 1e6
+        for name in ("fsdp2", "torch")
+        if plain is not None and (value := results.get(("forward+backward", name))) is not None
+    }
+    if "fsdp2" not in above:
+        return []
+    line = f"hooks (forward+backward above plain) per group per step: fsdp2 {above['fsdp2']:.0f} us"
+    if "torch" in above:
+        line += (
+            f", torch {above['torch']:.0f} us, fsdp2 / torch {above['fsdp2'] / above['torch']:.2f}"
+        )
+    return [line]
 
 
 def main(argv: list[str] | None = None) -> None:

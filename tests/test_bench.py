@@ -64,6 +64,16 @@ def test_bench_host_runs_every_measure(capsys: pytest.CaptureFixture) -> None:
                 expected[2] = False
                 expected[1] = expected[1] and measure != "clip (torch's)"
             assert filled == expected, (measure, table)
+        # The hooks' line: forward+backward above plain, per group, from the row's times.
+        ms = [float(cell) for cell in rows["forward+backward"].split(" | ")[1:4] if cell.strip()]
+        hooks = next(line for line in table.splitlines() if line.startswith("hooks "))
+        above = [float(word) for word in hooks.replace(",", "").split() if word.isdigit()]
+        expected_us = [(value - ms[0]) / bench_host.GROUPS * 1e3 for value in ms[1:]]
+        assert len(above) == len(expected_us) == (2 if with_torch else 1), hooks
+        # each cell is rounded to 0.1 ms: a difference of two is off by 0.1 ms at most
+        slack = 100 / bench_host.GROUPS + 1
+        errors = [abs(a - b) for a, b in zip(above, expected_us, strict=True)]
+        assert all(error <= slack for error in errors), (hooks, table)
 
 
 @pytest.mark.distributed
