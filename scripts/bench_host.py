@@ -13,7 +13,7 @@ of the sharded models holds (8 / W x 8).
     python scripts/bench_host.py --params 1000 --world-sizes 1 --rounds 5
     python scripts/bench_host.py --device cuda --world-sizes 1  # one GPU, NCCL
     python scripts/bench_host.py --params 20000 --world-sizes 1 --torch-up-to 20000 \
-        --measures "whole step" --step-optimizer "AdamW fused"     # torch's step at 20k
+        --measures "whole step" --step-optimizer "AdamW for-loop"  # torch's step at 20k
 
 On a GPU each measure ends with ``torch.cuda.synchronize()``, so a time is
 the host's or the device's, whichever is longer: with tensors this small the
@@ -26,6 +26,11 @@ uncached, and that grows faster than the tensor count (on this 2-core
 machine the first AdamW foreach step took 30 s at 1k tensors and 124 s at
 2k; torch's first clip over fsdp2's gradients 4.4 s at 1k and 76 s at 5k),
 so a 5k run of it would take most of an hour before its first timed round.
+Its fused first step is no better (at 20k still in sharding propagation
+after 72 min). What torch's fully_shard can run at 20k is the for-loop
+AdamW (``foreach=False``: one op per tensor, each propagation cached after
+its first shape): ``--step-optimizer "AdamW for-loop"`` times the whole step
+with it, for every model alike (torch's clip on DTensors is a for-loop too).
 
 Each round times every measure once for each model, the models' order
 rotated every round (the optimizer steps and clips on the gradients of the
@@ -137,6 +142,8 @@ def _optimizers(model: nn.Module) -> dict[str, torch.optim.Optimizer]:
         "AdamW foreach": torch.optim.AdamW(params, lr=1e-3, foreach=True),
         "AdamW fused": torch.optim.AdamW(params, lr=1e-3, fused=True),
         "SGD foreach": torch.optim.SGD(params, lr=1e-3, momentum=0.9, foreach=True),
+        # the whole step's only (--step-optimizer), no row of its own
+        "AdamW for-loop": torch.optim.AdamW(params, lr=1e-3, foreach=False),
     }
 
 
@@ -312,7 +319,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--step-optimizer",
         default="AdamW foreach",
-        choices=("AdamW foreach", "AdamW fused"),
+        choices=("AdamW foreach", "AdamW fused", "AdamW for-loop"),
         help="the whole step's optimizer (default: AdamW foreach)",
     )
     args = p.parse_args(argv)
