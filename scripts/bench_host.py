@@ -30,7 +30,9 @@ Its fused first step is no better (at 20k still in sharding propagation
 after 72 min). What torch's fully_shard can run at 20k is the for-loop
 AdamW (``foreach=False``: one op per tensor, each propagation cached after
 its first shape): ``--step-optimizer "AdamW for-loop"`` times the whole step
-with it, for every model alike (torch's clip on DTensors is a for-loop too).
+with it and with ``clip_grad_norm_(..., foreach=False)``, for every model
+alike (torch's clip on DTensors otherwise takes the foreach path, whose first
+call at 20k is as slow).
 
 Each round times every measure once for each model, the models' order
 rotated every round (the optimizer steps and clips on the gradients of the
@@ -44,7 +46,8 @@ rank's, at world size 2) and the ratios to plain:
   ``fsdp2.install_as_torch_fsdp()`` routes it ("installed") and
   ``fsdp2.clip_grad_norm_``;
 - the whole step: forward, backward, a clip (``fsdp2.clip_grad_norm_`` for
-  fsdp2, torch's for the others), the AdamW foreach step, ``zero_grad()``.
+  fsdp2, torch's for the others), the AdamW step (``--step-optimizer``,
+  foreach by default), ``zero_grad()``.
 
 Under each table, the hooks' cost: forward+backward above the plain model's,
 per group per step (microseconds), fsdp2's and torch's, and their ratio.
@@ -180,11 +183,14 @@ def _run(
         model, opt = models[name], optims[name]
         params = list(model.parameters())
         torch_clip = name != "fsdp2" or with_torch  # torch's code on fsdp2's DTensors
+        # With the for-loop optimizer the clip is a for-loop too (torch's on DTensors
+        # takes the foreach path by default, whose first call at 20k takes hours).
+        foreach = False if step_optimizer == "AdamW for-loop" else None
 
         def clip() -> object:  # each model's own: fsdp2's for fsdp2
             if name == "fsdp2":
-                return fsdp2.clip_grad_norm_(params, 1.0)
-            return torch.nn.utils.clip_grad_norm_(params, 1.0)
+                return fsdp2.clip_grad_norm_(params, 1.0, foreach=foreach)
+            return torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=foreach)
 
         def whole() -> None:
             backward(model)
