@@ -145,13 +145,16 @@ class RootContext:
                 target.prefetch_for_backward()
 
     def queue_final_callback(self) -> None:
-        """Once per backward: run :meth:`_final_callback` when the engine is done."""
+        """Once per backward: run :meth:`end_backward` when the engine is done."""
         if not self.backward_running:
             self.backward_running = True
-            queue_backward_callback(self._final_callback)
+            queue_backward_callback(self.end_backward)
 
     @eager_hook
-    def _final_callback(self) -> None:
+    def end_backward(self) -> None:
+        """The final callback: finishes this backward's groups and reductions.
+        A pipeline schedule also calls it once per step, after its last
+        microbatch (torch_internals.py)."""
         logger.debug("final callback: finishing backward")
         with profiled("final_callback"):
             for state in self.states:

@@ -38,6 +38,7 @@ from .post_backward import register_post_backward
 from .private_api import in_backward, local_tensor, map_tensors, profiled, tensors_in
 from .root import RootContext
 from .timeouts import align_timeouts
+from .torch_internals import StateReadByTorch
 from .torch_fsdp import check_not_under_torch_fsdp
 
 
@@ -60,7 +61,7 @@ def get_fsdp_state(module: nn.Module) -> FSDPState | None:
     return module.__dict__.get("_fsdp_state")
 
 
-class FSDPState:
+class FSDPState(StateReadByTorch):
     """The hooks of one ``fully_shard`` call, on each of its modules.
 
     [Note: one group, several modules]

@@ -114,10 +114,33 @@ def install_as_torch_fsdp(*, clipping: bool = True) -> TorchFSDPNames:
             if original is not fsdp2_object:
                 replaced.append((module, name, original, fsdp2_object))
                 setattr(module, name, fsdp2_object)
-    _warn_about_early_bindings({name: original for _, name, original, _ in replaced})
+    originals = {name: original for _, name, original, _ in replaced}
+    replaced += _rebind_torch_libraries(originals)
+    _warn_about_early_bindings(originals)
     if clipping:
         replaced += route_torch_clipping()
     return TorchFSDPNames(replaced)
+
+
+def _rebind_torch_libraries(
+    originals: dict[str, object],
+) -> list[tuple[ModuleType, str, object, object]]:
+    """torch's own libraries imported before the install (``torch.distributed.
+    pipelining`` binds ``FSDPModule``, ``fully_shard`` and ``UnshardHandle`` at
+    its import) get fsdp2's objects under the names they bound; ``undo()``
+    gives them torch's back. A user's module is only warned about."""
+    rebound = []
+    for module_name, module in list(sys.modules.items()):
+        if not module_name.startswith("torch.") or module_name.startswith(_TORCH_FSDP_PACKAGES):
+            continue
+        names = getattr(module, "__dict__", None)
+        if not isinstance(names, dict):
+            continue
+        for name, original in originals.items():
+            if name not in _CONVERTED and names.get(name) is original:
+                rebound.append((module, name, original, FSDP2_OBJECTS[name]))
+                setattr(module, name, FSDP2_OBJECTS[name])
+    return rebound
 
 
 def _warn_about_early_bindings(originals: dict[str, object]) -> None:
