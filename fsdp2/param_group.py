@@ -81,6 +81,9 @@ class FSDPParamGroup:
         # Set: after forward, keep a shard over this smaller group instead.
         self.post_forward_mesh_info = post_forward_mesh_info if self.sharded_params else None
         self.reshard_after_backward = True
+        # Kept unsharded through forwards: a pipeline's split backward has
+        # weight halves to run (torch_internals.py, [Note: split backward]).
+        self.held_for_weight_grads = False
         # The communication variants (comms.py), chosen again when a setting changes.
         self.settings = settings
         self.comms = self._choose_comms(settings, previous=None)
@@ -295,7 +298,9 @@ class FSDPParamGroup:
         self.wait_for_unshard()
 
     def post_forward(self) -> None:
-        if not torch.is_grad_enabled():
+        if self.held_for_weight_grads:
+            pass  # a split backward's weight half needs them: [Note: split backward]
+        elif not torch.is_grad_enabled():
             # No backward follows a forward without grad: nothing to keep unsharded for.
             self.reshard()
         elif self.post_forward_mesh_info is not None:
@@ -329,7 +334,7 @@ class FSDPParamGroup:
         if not self.requires_gradient_sync:
             for fsdp_param in self.fsdp_params:
                 fsdp_param.keep_unsynced_grad()
-            if self.reshard_after_backward:
+            if self.reshard_after_backward and not self.held_for_weight_grads:
                 self.reshard()
             return None
         grads = [p.take_unsharded_grad(cast=False) for p in self.fsdp_params]
@@ -436,6 +441,7 @@ class FSDPParamGroup:
             fsdp_param.partial_grad = None
             fsdp_param.sharded_param.grad = None
         self.post_backward_count = None
+        self.held_for_weight_grads = False
         self.training_state = TrainingState.IDLE
 
     def finalize_backward(self) -> None:

@@ -156,7 +156,7 @@ class ReductionPipeline:
         for group in groups:
             if group.needs_post_backward:
                 self.post_backward(group)
-            elif group.reshard_after_backward:
+            elif group.reshard_after_backward and not group.held_for_weight_grads:
                 group.reshard()  # unsharded again after its post-backward, for a recomputation
             group.cancel_unshard()
         if self.is_last_backward:

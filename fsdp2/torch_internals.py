@@ -19,13 +19,22 @@ backward of a stage)::
 
 Every other name pipelining uses is public (``FSDPModule.unshard``,
 ``reshard``, ``set_requires_gradient_sync``, ``set_reshard_after_backward``,
-``set_is_last_backward``, ``UnshardHandle.wait``). docs/usage.md, "What
-torch's libraries read of FSDP", lists the other torch readers of FSDP2
-internals and what fsdp2 does for each.
+``set_is_last_backward``, ``UnshardHandle.wait``).
+
+One thing pipelining does gives FSDP no hook at all: the zero-bubble
+schedules' split backward (see [Note: split backward]). For it,
+``install_as_torch_fsdp()`` wraps one method of pipelining's stage
+(``adapt_pipelining``); it acts on fsdp2's stages only.
+
+docs/usage.md, "What torch's libraries read of FSDP", lists the other torch
+readers of FSDP2 internals and what fsdp2 does for each.
 """
 
 from __future__ import annotations
 
+import functools
+import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -69,6 +78,9 @@ class StateReadByTorch:
         schedule after its last microbatch. It finishes every reduction still
         in flight and returns the groups to idle, sharded where they reshard
         after backward."""
+        _weight_halves_to_run.pop(self, None)
+        for group in self.root_ctx.groups:
+            group.held_for_weight_grads = False
         self.root_ctx.end_backward()
 
 
@@ -91,3 +103,85 @@ class ParamGroupView:
 
     def __repr__(self) -> str:
         return f"ParamGroupView({self._group!r})"
+
+
+# [Note: split backward]
+# The zero-bubble schedules (InterleavedZeroBubble, ZBVZeroBubble, DualPipeV)
+# split a microbatch's backward in two. The input half is ``autograd.grad`` of
+# the stage's inputs (stage_backward_input, pipelining/_backward.py): it runs
+# fsdp2's hooks but accumulates no parameter gradient, and it looks up the
+# gradient accumulators of ``stage.submod.parameters()`` before it starts.
+# The weight half runs later, after other microbatches' forwards, from graph
+# nodes the input half kept (stage_backward_weight): it runs none of fsdp2's
+# hooks and sets ``.grad`` on the parameters the stage's modules hold then.
+# Both halves therefore need the unsharded parameters on the modules when
+# they begin (the same objects the graph saved, holding their data), while a
+# group that reshards after forward would hold its sharded ones. So on a
+# stage of fsdp2 modules, the input half starts with every group of the stage
+# unsharded and held so (``FSDPParamGroup.held_for_weight_grads``: forwards do
+# not reshard it) until the stage's last pending weight half has run; groups
+# that reshard after forward are resharded then. The gradients both halves
+# leave are summed without sync as for any microbatch and reduced once, at
+# the schedule's REDUCE_GRAD. torch's own fully_shard has no such step: with
+# reshard_after_forward=True its stages raise or silently drop weight
+# gradients under these schedules.
+
+# Weight halves still to run, per stage root state (input halves minus weight halves).
+_weight_halves_to_run: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+
+
+def adapt_pipelining() -> list[tuple[Any, str, object, object]]:
+    """Wraps ``_PipelineStageBase.backward_maybe_with_nosync`` (pipelining/
+    stage.py:781, the one call every backward of a stage goes through) so
+    that the halves of a split backward find an fsdp2 stage unsharded; see
+    [Note: split backward]. Returns what it replaced, as
+    ``(owner, name, torch's, fsdp2's)`` for ``TorchFSDPNames.undo``."""
+    from torch.distributed.pipelining import stage as pipelining_stage
+
+    owner = pipelining_stage._PipelineStageBase
+    original = owner.backward_maybe_with_nosync
+    if getattr(original, "__wrapped__", None) is not None:
+        return []  # already wrapped by an install not undone
+    wrapped = _split_backward_aware(original, pipelining_stage)
+    owner.backward_maybe_with_nosync = wrapped  # type: ignore[method-assign]
+    return [(owner, "backward_maybe_with_nosync", original, wrapped)]
+
+
+def _split_backward_aware(original: Callable, pipelining_stage: Any) -> Callable:
+    @functools.wraps(original)
+    def backward_maybe_with_nosync(
+        stage: Any, backward_type: str, bwd_kwargs: dict, last_backward: bool = False
+    ) -> Any:
+        state = _fsdp2_state(stage.submod, pipelining_stage)
+        if state is None or backward_type not in ("input", "weight"):
+            return original(stage, backward_type, bwd_kwargs, last_backward)
+        groups = state.root_ctx.groups
+        for group in groups:  # all-gathers issued together, then waited for
+            group.unshard()
+        for group in groups:
+            group.wait_for_unshard()
+        if backward_type == "input":
+            for group in groups:
+                group.held_for_weight_grads = True
+            _weight_halves_to_run[state] = _weight_halves_to_run.get(state, 0) + 1
+            return original(stage, backward_type, bwd_kwargs, last_backward)
+        result = original(stage, backward_type, bwd_kwargs, last_backward)
+        left = _weight_halves_to_run.get(state, 1) - 1
+        _weight_halves_to_run[state] = left
+        if left <= 0:
+            for group in groups:
+                group.held_for_weight_grads = False
+                if group.reshard_after_forward or group.post_forward_mesh_info is not None:
+                    group.reshard()
+        return result
+
+    return backward_maybe_with_nosync
+
+
+def _fsdp2_state(module: Any, pipelining_stage: Any) -> StateReadByTorch | None:
+    """The fsdp2 state of a stage's module, found as pipelining finds torch's
+    (its ``FSDPModule`` and ``fully_shard``, which the install made fsdp2's)."""
+    if not isinstance(module, pipelining_stage.FSDPModule):
+        return None
+    state = pipelining_stage.fully_shard.state(module)
+    return state if isinstance(state, StateReadByTorch) else None

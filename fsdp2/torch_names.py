@@ -19,6 +19,7 @@ from .mesh import DataParallelMeshDims
 from .module import FSDPModule, UnshardHandle, register_fsdp_forward_method, share_comm_ctx
 from .policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from .torch_clipping import route_torch_clipping
+from .torch_internals import adapt_pipelining
 
 # torch's public FSDP2 names whose fsdp2 object has the same meaning.
 FSDP2_OBJECTS: dict[str, object] = {
@@ -53,13 +54,13 @@ class TorchFSDPNames:
     """What ``install_as_torch_fsdp`` replaced. ``undo()`` (or leaving the
     ``with`` block) puts torch's objects back."""
 
-    def __init__(self, replaced: list[tuple[ModuleType, str, object, object]]) -> None:
+    def __init__(self, replaced: list[tuple[ModuleType | type, str, object, object]]) -> None:
         self._replaced = replaced  # (namespace, name, torch's object, fsdp2's)
 
     @property
     def replaced(self) -> list[str]:
         """The names replaced, as ``module.name``."""
-        return [f"{module.__name__}.{name}" for module, name, _, _ in self._replaced]
+        return [f"{_qualified(owner)}.{name}" for owner, name, _, _ in self._replaced]
 
     def undo(self) -> None:
         """Puts torch's objects back under the names this install replaced
@@ -79,6 +80,13 @@ class TorchFSDPNames:
         traceback: TracebackType | None,
     ) -> None:
         self.undo()
+
+
+def _qualified(owner: ModuleType | type) -> str:
+    """A namespace's name, or a class's with its module's."""
+    if isinstance(owner, type):
+        return f"{owner.__module__}.{owner.__qualname__}"
+    return owner.__name__
 
 
 def install_as_torch_fsdp(*, clipping: bool = True) -> TorchFSDPNames:
@@ -107,7 +115,10 @@ def install_as_torch_fsdp(*, clipping: bool = True) -> TorchFSDPNames:
     # All imported before any is changed: one imported later would bind fsdp2's
     # objects from the start, and undo() would not give it torch's.
     modules = [importlib.import_module(namespace) for namespace in TORCH_NAMESPACES]
-    replaced: list[tuple[ModuleType, str, object, object]] = []
+    # Imported now, so that it binds torch's names and gets fsdp2's from the
+    # rebinding below (undone with the rest): torch_internals.py.
+    importlib.import_module("torch.distributed.pipelining")
+    replaced: list[tuple[ModuleType | type, str, object, object]] = []
     for module in modules:
         for name, fsdp2_object in FSDP2_OBJECTS.items():
             original = getattr(module, name, fsdp2_object)
@@ -116,6 +127,7 @@ def install_as_torch_fsdp(*, clipping: bool = True) -> TorchFSDPNames:
                 setattr(module, name, fsdp2_object)
     originals = {name: original for _, name, original, _ in replaced}
     replaced += _rebind_torch_libraries(originals)
+    replaced += adapt_pipelining()
     _warn_about_early_bindings(originals)
     if clipping:
         replaced += route_torch_clipping()
@@ -124,12 +136,12 @@ def install_as_torch_fsdp(*, clipping: bool = True) -> TorchFSDPNames:
 
 def _rebind_torch_libraries(
     originals: dict[str, object],
-) -> list[tuple[ModuleType, str, object, object]]:
+) -> list[tuple[ModuleType | type, str, object, object]]:
     """torch's own libraries imported before the install (``torch.distributed.
     pipelining`` binds ``FSDPModule``, ``fully_shard`` and ``UnshardHandle`` at
     its import) get fsdp2's objects under the names they bound; ``undo()``
     gives them torch's back. A user's module is only warned about."""
-    rebound = []
+    rebound: list[tuple[ModuleType | type, str, object, object]] = []
     for module_name, module in list(sys.modules.items()):
         if not module_name.startswith("torch.") or module_name.startswith(_TORCH_FSDP_PACKAGES):
             continue
