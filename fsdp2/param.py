@@ -409,9 +409,23 @@ class FSDPParam:
         the group's other gradients, so that packing them needs no cast copy."""
         return torch.zeros(self.layout.unsharded_size, dtype=dtype, device=self.device)
 
-    def keep_unsynced_grad(self) -> None:
+    def keep_unsynced_grad(self, *, on_param: bool = False) -> None:
         """Gradient accumulation without sync: adds this backward's unsharded
-        gradient to ``unsynced_grad`` instead of reduce-scattering it."""
+        gradient to ``unsynced_grad`` instead of reduce-scattering it.
+        ``on_param`` (a pipeline's split backward, whose weight half adds to
+        ``.grad`` itself): a gradient in the reduce dtype stays on the
+        unsharded parameter instead, so the microbatches' gradients are summed
+        in the order torch's fully_shard sums them."""
+        param = self.unsharded_param
+        grad = None if param is None else param.grad
+        if (
+            on_param
+            and grad is not None
+            and self.unsynced_grad is None
+            and grad.dtype == self.reduce_dtype
+            and not isinstance(grad, DTensor)
+        ):
+            return
         self.unsynced_grad = self.take_unsharded_grad()
 
     def accumulate_sharded_grad(

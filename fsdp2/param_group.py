@@ -333,7 +333,7 @@ class FSDPParamGroup:
         self.training_state = TrainingState.POST_BACKWARD
         if not self.requires_gradient_sync:
             for fsdp_param in self.fsdp_params:
-                fsdp_param.keep_unsynced_grad()
+                fsdp_param.keep_unsynced_grad(on_param=self.held_for_weight_grads)
             if self.reshard_after_backward and not self.held_for_weight_grads:
                 self.reshard()
             return None
