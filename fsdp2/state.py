@@ -38,8 +38,8 @@ from .post_backward import register_post_backward
 from .private_api import in_backward, local_tensor, map_tensors, profiled, tensors_in
 from .root import RootContext
 from .timeouts import align_timeouts
-from .torch_internals import StateReadByTorch
 from .torch_fsdp import check_not_under_torch_fsdp
+from .torch_internals import StateReadByTorch
 
 
 def _profiled(name: str) -> Callable[[Callable], Callable]:

@@ -1,0 +1,267 @@
+"""Pipeline parallelism: torch's ``torch.distributed.pipelining`` schedules
+driving fsdp2 stages, on 4 gloo ranks as ("pp", "dp") = (2, 2).
+
+Each schedule trains the same small transformer for two steps three ways: an
+unsharded model on the global batch (the reference, tests/error_model.py
+point 1), torch's fully_shard stages, and fsdp2's (installed under torch's
+names after torch's run imported pipelining: the install reaches modules
+imported before it). fsdp2 must equal torch's bit for bit (two data
+parallel ranks: the sums over ranks are order-free, error model point 2) and
+the reference within ``REF_TOL``; its stages must reduce each group's
+gradients once per step, not once per microbatch, and what pipelining calls
+at the step's end must be safe to call again.
+
+With ``reshard_after_forward=True`` the zero-bubble schedules (a backward
+split into an input half and a weight half) are wrong under torch's own
+fully_shard on torch 2.13 (their weight halves find the blocks resharded and
+drop or miss gradients); fsdp2's must equal torch's run with
+``reshard_after_forward=False``, where torch's is right.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from dist import run_ranks
+from error_model import REF_TOL
+from models import make_optimizer
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+import fsdp2
+from fsdp2.common import ShardedState
+from fsdp2.stats import KINDS
+
+VOCAB, DIM, N_BLOCKS, GLOBAL_BATCH, SEQ_LEN, MICROBATCHES, STEPS = 32, 16, 4, 8, 6, 4, 2
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(DIM)
+        self.fc1 = nn.Linear(DIM, 2 * DIM)
+        self.fc2 = nn.Linear(2 * DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
+
+
+class Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList(Block() for _ in range(N_BLOCKS))
+        self.norm = nn.LayerNorm(DIM)
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+class Stage(nn.Module):
+    """Blocks ``[first, last)`` of ``model``, with the embedding on the first
+    stage and the norm and head on the last."""
+
+    def __init__(self, model: Model, index: int, n_stages: int) -> None:
+        super().__init__()
+        per_stage = N_BLOCKS // n_stages
+        self.embed = model.embed if index == 0 else None
+        self.blocks = nn.ModuleList(model.blocks[index * per_stage : (index + 1) * per_stage])
+        last = index == n_stages - 1
+        self.norm = model.norm if last else None
+        self.head = model.head if last else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.embed is not None:
+            x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        if self.head is not None and self.norm is not None:
+            x = self.head(self.norm(x))
+        return x
+
+
+def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = torch.randint(
+        VOCAB, (GLOBAL_BATCH, SEQ_LEN + 1), generator=torch.Generator().manual_seed(step)
+    )
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+class Case(NamedTuple):
+    schedule: str
+    reshard_after_forward: bool
+    # torch's run the fsdp2 one must equal bit for bit (None: the same settings).
+    torch_reshard_after_forward: bool | None = None
+
+
+ZERO_BUBBLE = ("ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV")
+CASES = [
+    Case("ScheduleGPipe", True),
+    Case("Schedule1F1B", True),
+    Case("Schedule1F1B", False),
+    Case("ScheduleInterleaved1F1B", True),
+    Case("ScheduleLoopedBFS", True),
+    *(Case(name, True, torch_reshard_after_forward=False) for name in ZERO_BUBBLE),
+]
+
+
+def _stage_indices(schedule: str, pp_rank: int) -> tuple[list[int], int]:
+    """This rank's stages and the number of stages: one per rank for the
+    single-stage schedules, two otherwise (a V for ZBV and DualPipeV)."""
+    if schedule in ("ScheduleGPipe", "Schedule1F1B"):
+        return [pp_rank], 2
+    if schedule in ("ScheduleZBVZeroBubble", "ScheduleDualPipeV"):
+        return [pp_rank, 3 - pp_rank], 4
+    return [pp_rank, pp_rank + 2], 4
+
+
+def _train(
+    mesh: DeviceMesh, case: Case, shard: Any, reshard_after_forward: bool, record: bool = False
+) -> tuple[dict[str, torch.Tensor], list[dict[str, int]]]:
+    """Two pipeline steps with ``shard`` (a ``fully_shard``) on every block and
+    stage; returns this rank's parameters, full, by name, and (``record``) the
+    reduce-scatters of each group in each step."""
+    import torch.distributed.pipelining as pipelining  # after the install, as users must
+
+    mine, n_stages = _stage_indices(case.schedule, mesh["pp"].get_local_rank())
+    torch.manual_seed(0)
+    model = Model()
+    stages, modules = [], []
+    for index in mine:
+        module = Stage(model, index, n_stages)
+        for block in module.blocks:
+            shard(block, mesh=mesh["dp"], reshard_after_forward=reshard_after_forward)
+        shard(module, mesh=mesh["dp"], reshard_after_forward=reshard_after_forward)
+        modules.append(module)
+        stages.append(
+            pipelining.PipelineStage(
+                module, index, n_stages, torch.device("cpu"), group=mesh["pp"].get_group()
+            )
+        )
+    names = {id(p): n for n, p in model.named_parameters()}  # the sharded ones
+    schedule_cls = getattr(pipelining, case.schedule)
+    single = case.schedule in ("ScheduleGPipe", "Schedule1F1B")
+    schedule = schedule_cls(
+        stages[0] if single else stages, n_microbatches=MICROBATCHES, loss_fn=loss_fn
+    )
+    optimizer = make_optimizer([p for m in modules for p in m.parameters()])
+    dp_rank = mesh["dp"].get_local_rank()
+    reduce_scatters: list[dict[str, int]] = []
+    for step in range(STEPS):
+        inputs, targets = (t.chunk(2)[dp_rank] for t in global_batch(step))
+        kwargs: dict[str, Any] = {"target": targets} if n_stages - 1 in mine else {}
+        with contextlib.ExitStack() as recordings:
+            stats = [recordings.enter_context(fsdp2.comm_stats(m)) for m in modules if record]
+            if 0 in mine:
+                schedule.step(inputs, **kwargs)
+            else:
+                schedule.step(**kwargs)
+        for recorded in stats:
+            counts: dict[str, int] = {}
+            for groups in recorded.steps:  # one per backward: a microbatch's, then the reduction's
+                for group, group_stats in groups.items():
+                    counts[group] = counts.get(group, 0) + group_stats.reduce_scatter.count
+            reduce_scatters.append(counts)
+        if record:
+            _reduce_again(modules, shard)
+        optimizer.step()
+        optimizer.zero_grad()
+    params = {names[id(p)]: p.full_tensor() for m in modules for p in m.parameters()}
+    return params, reduce_scatters
+
+
+def _reduce_again(modules: list[nn.Module], shard: Any) -> None:
+    """What pipelining's REDUCE_GRAD calls, called again after the step (each
+    group's post-backward twice, then the final callback): nothing changes,
+    no collective runs, every group stays sharded."""
+    grads = {id(p): p.grad.to_local().clone() for m in modules for p in m.parameters()}
+    for module in modules:
+        with fsdp2.comm_stats(module) as stats:
+            state = shard.state(module)
+            for each in state._state_ctx.all_states:
+                for group in each._fsdp_param_groups:
+                    group.post_backward()
+                    group.post_backward()
+            state._root_post_backward_final_callback()
+        assert not any(g.of(k).count for step in stats.steps for g in step.values() for k in KINDS)
+        for group in (g for each in state._state_ctx.all_states for g in each.param_groups):
+            assert group.sharded_state is ShardedState.SHARDED, group
+    for p in (p for m in modules for p in m.parameters()):
+        assert torch.equal(p.grad.to_local(), grads[id(p)])
+
+
+def _reference() -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    model = Model()
+    optimizer = make_optimizer(model)
+    for step in range(STEPS):
+        inputs, targets = global_batch(step)
+        loss_fn(model(inputs), targets).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return {n: p.detach() for n, p in model.named_parameters()}
+
+
+def _schedules(rank: int, world_size: int) -> None:
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    reference = _reference()
+    torch_runs: dict[tuple[str, bool], dict[str, torch.Tensor]] = {}
+    for case in CASES:
+        raf = (
+            case.reshard_after_forward
+            if case.torch_reshard_after_forward is None
+            else case.torch_reshard_after_forward
+        )
+        torch_runs[case.schedule, raf], _ = _train(mesh, case, torch_fully_shard, raf)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # other test modules may hold torch's names
+        installed = fsdp2.install_as_torch_fsdp()
+    try:
+        from torch.distributed.fsdp import fully_shard
+
+        assert fully_shard is fsdp2.fully_shard
+        for case in CASES:
+            params, reduce_scatters = _train(
+                mesh, case, fully_shard, case.reshard_after_forward, record=True
+            )
+            what = f"[{case.schedule}, reshard_after_forward={case.reshard_after_forward}]"
+            raf = (
+                case.reshard_after_forward
+                if case.torch_reshard_after_forward is None
+                else case.torch_reshard_after_forward
+            )
+            for name, value in params.items():
+                torch.testing.assert_close(
+                    value, reference[name], **REF_TOL, msg=f"{what} {name} vs the reference"
+                )
+                expected = torch_runs[case.schedule, raf][name]
+                assert torch.equal(value, expected), (
+                    f"{what} {name} differs from torch's fully_shard"
+                )
+            for counts in reduce_scatters:  # one per step and stage
+                assert counts and set(counts.values()) == {1}, (
+                    f"{what} reduce-scatters per group: {counts}"
+                )
+    finally:
+        installed.undo()
+
+
+@pytest.mark.distributed
+def test_every_schedule_drives_fsdp2_stages(tmp_path: Path) -> None:
+    run_ranks(_schedules, 4, tmp_path)
