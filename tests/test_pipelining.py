@@ -21,6 +21,10 @@ drop or miss gradients); fsdp2's must equal torch's run with
 from __future__ import annotations
 
 import contextlib
+import os
+import re
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -265,3 +269,33 @@ def _schedules(rank: int, world_size: int) -> None:
 @pytest.mark.distributed
 def test_every_schedule_drives_fsdp2_stages(tmp_path: Path) -> None:
     run_ranks(_schedules, 4, tmp_path)
+
+
+USAGE = Path(__file__).parent.parent / "docs" / "usage.md"
+
+
+def usage_script() -> str:
+    """The first ```python block under docs/usage.md's "## Pipeline parallelism"."""
+    text = USAGE.read_text()
+    section = text[text.index("\n## Pipeline parallelism\n") :]
+    match = re.search(r"```python\n(.*?)```", section, re.DOTALL)
+    assert match is not None, "docs/usage.md: no python block under ## Pipeline parallelism"
+    return match.group(1)
+
+
+@pytest.mark.distributed
+def test_usage_example_runs_under_torchrun(tmp_path: Path) -> None:
+    """The script docs/usage.md shows trains under torchrun on 4 CPU ranks
+    (ZBV on a (2, 2) mesh) and its loss falls."""
+    path = tmp_path / "pp.py"
+    path.write_text(usage_script())
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    command += ["--nproc-per-node", "4", str(path)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    done = subprocess.run(
+        command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    losses = [float(x) for x in re.findall(r"step \d+: loss ([0-9.]+)", done.stdout)]
+    assert len(losses) == 10, done.stdout
+    assert losses[-1] < 0.8 * losses[0], losses
