@@ -21,16 +21,21 @@ drop or miss gradients); fsdp2's must equal torch's run with
 from __future__ import annotations
 
 import contextlib
+import faulthandler
+import json
 import os
 import re
 import subprocess
 import sys
+import time
 import warnings
+from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from dist import run_ranks
@@ -299,3 +304,110 @@ def test_usage_example_runs_under_torchrun(tmp_path: Path) -> None:
     losses = [float(x) for x in re.findall(r"step \d+: loss ([0-9.]+)", done.stdout)]
     assert len(losses) == 10, done.stdout
     assert losses[-1] < 0.8 * losses[0], losses
+
+
+# -- a dead stage --------------------------------------------------------------------
+
+
+def _dead_stage_job(rank: int, out_dir: Path) -> None:
+    """1F1B on (pp, dp) = (2, 2) with a short job timeout; rank 3 (the second
+    stage's second dp rank) is killed in step 1, in the forward of its second
+    microbatch. Every rank writes what it raised, and when."""
+    from test_failures import TIMEOUT, _failure_point, _sigkill, _start_together
+
+    with open(out_dir / f"rank{rank}.stacks", "w") as stacks:
+        faulthandler.dump_traceback_later(_DEAD_JOIN_S - 10, file=stacks)
+        torch.set_num_threads(1)
+        _start_together(rank, out_dir)
+        dist.init_process_group(
+            "gloo", init_method=f"file://{out_dir}/store", rank=rank, world_size=4, timeout=TIMEOUT
+        )
+        result: dict[str, Any] = {"type": None, "messages": []}
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                fsdp2.install_as_torch_fsdp()
+            import torch.distributed.pipelining as pipelining
+
+            mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+            pp_rank, dp_rank = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
+            torch.manual_seed(0)
+            module = Stage(Model(), pp_rank, 2)
+            for block in module.blocks:
+                fsdp2.fully_shard(block, mesh=mesh["dp"])
+            fsdp2.fully_shard(module, mesh=mesh["dp"])
+            stage = pipelining.PipelineStage(
+                module, pp_rank, 2, torch.device("cpu"), group=mesh["pp"].get_group()
+            )
+            schedule = pipelining.Schedule1F1B(stage, n_microbatches=MICROBATCHES, loss_fn=loss_fn)
+            optimizer = make_optimizer(module)
+            for step in range(3):
+                if step == 1 and rank == 3:
+                    calls = iter(range(MICROBATCHES))
+
+                    def kill_at_second(*_args: Any, calls: Any = calls) -> None:
+                        if next(calls) == 1:
+                            _failure_point(out_dir)
+                            _sigkill()
+
+                    module.blocks[0].register_forward_pre_hook(kill_at_second, prepend=True)
+                inputs, targets = (t.chunk(2)[dp_rank] for t in global_batch(step))
+                if pp_rank == 0:
+                    schedule.step(inputs)
+                else:
+                    schedule.step(target=targets)
+                optimizer.step()
+                optimizer.zero_grad()
+        except Exception as error:
+            # Pipelining re-raises a stage's error as its cause: keep the whole chain.
+            chain: list[BaseException] = []
+            cause: BaseException | None = error
+            while cause is not None and cause not in chain:
+                chain.append(cause)
+                cause = cause.__cause__ or cause.__context__
+            result = {"type": type(error).__name__, "messages": [str(e) for e in chain]}
+        finally:
+            result["raised_at"] = time.time()
+            (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
+    os._exit(0)
+
+
+_DEAD_JOIN_S = 90.0
+
+
+@pytest.mark.distributed
+def test_a_dead_stage_ends_the_job(tmp_path: Path) -> None:
+    """A rank killed mid-schedule: its dp peer, blocked in an fsdp2 collective,
+    raises fsdp2's error naming it; the other stage's ranks, blocked in
+    pipelining's sends and receives or in collectives with those ranks, raise
+    too; all within the job's timeout (tests/test_failures.py's bound)."""
+    from dist import _context as rank_processes
+    from test_failures import _MESSAGE, MARGIN_S, TIMEOUT
+
+    ctx = rank_processes()
+    procs = [ctx.Process(target=_dead_stage_job, args=(rank, tmp_path)) for rank in range(4)]
+    for proc in procs:
+        proc.start()
+    deadline = time.monotonic() + _DEAD_JOIN_S
+    try:
+        while (alive := [p for p in procs[:3] if p.is_alive()]) and time.monotonic() < deadline:
+            wait([p.sentinel for p in alive], timeout=0.5)
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+            proc.join()
+    assert (tmp_path / "failed_at").exists(), "rank 3 never reached its failure point"
+    failed_at = float((tmp_path / "failed_at").read_text())
+    for rank in range(3):
+        path = tmp_path / f"rank{rank}.json"
+        stacks = tmp_path / f"rank{rank}.stacks"
+        assert path.exists(), (
+            f"rank {rank} neither raised nor finished: a hang\n{stacks.read_text()}"
+        )
+        outcome = json.loads(path.read_text())
+        assert outcome["type"] is not None, f"rank {rank} finished training without its peer"
+        elapsed = outcome["raised_at"] - failed_at
+        assert elapsed < TIMEOUT.total_seconds() + MARGIN_S, (rank, elapsed, outcome)
+        if rank == 2:  # rank 3's dp peer: fsdp2's error, naming the collective and module
+            assert any(_MESSAGE.match(m) for m in outcome["messages"]), outcome["messages"]
