@@ -29,7 +29,8 @@ demo: setup
 # optimizer step: fsdp2.optim.Muon vs torch.optim.Muon sharded and unsharded (seconds),
 # then fsdp2 with each CompressionPolicy setting next to the others (about two minutes),
 # then per-rank memory and bytes of FSDP, HSDP and HSDP with shard_optimizer_over_replicas
-# (also compressed; 4 ranks). Training quality of compression (300 steps per setting, ~15 min):
+# (also compressed; 4 ranks), then a pipeline-parallel step (1F1B and ZBV on pp 2 x dp 2, fsdp2
+# vs torch's fully_shard, about two minutes). Training quality of compression (300 steps per setting, ~15 min):
 # scripts/bench_compression.py.
 bench: setup
 	$(PY) scripts/bench.py
@@ -37,6 +38,7 @@ bench: setup
 	$(PY) scripts/bench.py --optim muon
 	$(PY) scripts/bench.py --compression weights-int8 grads-bf16 grads-int8 all-int8
 	$(PY) scripts/bench_replicas.py
+	$(PY) scripts/bench_pp.py
 
 # Host time with many parameter tensors (1k, 5k, 20k; 1 and 2 ranks): optimizer step,
 # clipping, forward+backward and the whole step of plain / fsdp2 / torch's fully_shard,

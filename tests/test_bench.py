@@ -13,6 +13,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 import bench  # noqa: E402
 import bench_host  # noqa: E402
+import bench_pp  # noqa: E402
 
 
 @pytest.mark.distributed
@@ -87,3 +88,23 @@ def test_bench_host_runs_the_measures_asked(capsys: pytest.CaptureFixture) -> No
     assert "the whole step with AdamW for-loop" in table.splitlines()[0], table
     assert [row.split(" | ")[0] for row in rows] == ["| measure", "| whole step"], table
     assert all(cell.strip() for cell in rows[1].split(" | ")[1:4]), table
+
+
+@pytest.mark.distributed
+def test_bench_pp_runs_and_reports(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """scripts/bench_pp.py on a tiny model, ZBV, one round: every contender has
+    a row, and fsdp2's peak with reshard_after_forward=True is not above its
+    peak with False (the blocks reshard between the warm-up's forwards)."""
+    out = tmp_path / "pp.json"
+    tiny = "--dim 32 --batch 8 --seq-len 8 --rounds 1 --warmup 1 --schedules ScheduleZBVZeroBubble"
+    bench_pp.main([*tiny.split(), "--json", str(out)])
+    rows = json.loads(out.read_text())["ScheduleZBVZeroBubble"]
+    assert len(rows) == 4 and all(row["median_ms"] > 0 for row in rows.values()), rows
+    fsdp2_peak = {
+        name: row["peak_mib_pp0"] for name, row in rows.items() if name.startswith("fsdp2")
+    }
+    assert (
+        fsdp2_peak["fsdp2, reshard_after_forward=True"]
+        <= fsdp2_peak["fsdp2, reshard_after_forward=False"]
+    )
+    assert "trains wrong" in capsys.readouterr().out
