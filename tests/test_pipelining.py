@@ -115,6 +115,7 @@ class Case(NamedTuple):
     reshard_after_forward: bool
     # torch's run the fsdp2 one must equal bit for bit (None: the same settings).
     torch_reshard_after_forward: bool | None = None
+    accumulate: int = 1  # schedule steps per optimizer step
 
 
 ZERO_BUBBLE = ("ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV")
@@ -122,6 +123,7 @@ CASES = [
     Case("ScheduleGPipe", True),
     Case("Schedule1F1B", True),
     Case("Schedule1F1B", False),
+    Case("Schedule1F1B", True, accumulate=2),
     Case("ScheduleInterleaved1F1B", True),
     Case("ScheduleLoopedBFS", True),
     *(Case(name, True, torch_reshard_after_forward=False) for name in ZERO_BUBBLE),
@@ -164,33 +166,48 @@ def _train(
     names = {id(p): n for n, p in model.named_parameters()}  # the sharded ones
     schedule_cls = getattr(pipelining, case.schedule)
     single = case.schedule in ("ScheduleGPipe", "Schedule1F1B")
-    schedule = schedule_cls(
-        stages[0] if single else stages, n_microbatches=MICROBATCHES, loss_fn=loss_fn
-    )
+    if case.accumulate == 1:
+        kwargs: dict[str, Any] = {"loss_fn": loss_fn}
+    else:
+        # scale_grads divides the gradients accumulated by earlier step() calls
+        # too: accumulating, the loss is scaled instead (the mean over a step's
+        # microbatches), so that gradients add up over the calls like the
+        # reference's over its backwards.
+        kwargs = {"loss_fn": lambda *a: loss_fn(*a) / MICROBATCHES, "scale_grads": False}
+    schedule = schedule_cls(stages[0] if single else stages, n_microbatches=MICROBATCHES, **kwargs)
     optimizer = make_optimizer([p for m in modules for p in m.parameters()])
     dp_rank = mesh["dp"].get_local_rank()
     reduce_scatters: list[dict[str, int]] = []
-    for step in range(STEPS):
+    for step in range(STEPS * case.accumulate):
         inputs, targets = (t.chunk(2)[dp_rank] for t in global_batch(step))
-        kwargs: dict[str, Any] = {"target": targets} if n_stages - 1 in mine else {}
+        targets_kw: dict[str, Any] = {"target": targets} if n_stages - 1 in mine else {}
         with contextlib.ExitStack() as recordings:
             stats = [recordings.enter_context(fsdp2.comm_stats(m)) for m in modules if record]
             if 0 in mine:
-                schedule.step(inputs, **kwargs)
+                schedule.step(inputs, **targets_kw)
             else:
-                schedule.step(**kwargs)
+                schedule.step(**targets_kw)
         for recorded in stats:
             counts: dict[str, int] = {}
             for groups in recorded.steps:  # one per backward: a microbatch's, then the reduction's
                 for group, group_stats in groups.items():
                     counts[group] = counts.get(group, 0) + group_stats.reduce_scatter.count
             reduce_scatters.append(counts)
+        if (step + 1) % case.accumulate:
+            continue  # the next schedule step adds to the sharded gradients
         if record:
             _reduce_again(modules, shard)
         optimizer.step()
         optimizer.zero_grad()
     params = {names[id(p)]: p.full_tensor() for m in modules for p in m.parameters()}
     return params, reduce_scatters
+
+
+def _torch_setting(case: Case) -> bool:
+    """The reshard_after_forward of torch's run that fsdp2's must equal."""
+    if case.torch_reshard_after_forward is None:
+        return case.reshard_after_forward
+    return case.torch_reshard_after_forward
 
 
 def _reduce_again(modules: list[nn.Module], shard: Any) -> None:
@@ -213,15 +230,16 @@ def _reduce_again(modules: list[nn.Module], shard: Any) -> None:
         assert torch.equal(p.grad.to_local(), grads[id(p)])
 
 
-def _reference() -> dict[str, torch.Tensor]:
+def _reference(accumulate: int) -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
     model = Model()
     optimizer = make_optimizer(model)
-    for step in range(STEPS):
+    for step in range(STEPS * accumulate):
         inputs, targets = global_batch(step)
         loss_fn(model(inputs), targets).backward()
-        optimizer.step()
-        optimizer.zero_grad()
+        if (step + 1) % accumulate == 0:
+            optimizer.step()
+            optimizer.zero_grad()
     return {n: p.detach() for n, p in model.named_parameters()}
 
 
@@ -229,15 +247,10 @@ def _schedules(rank: int, world_size: int) -> None:
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
-    reference = _reference()
-    torch_runs: dict[tuple[str, bool], dict[str, torch.Tensor]] = {}
-    for case in CASES:
-        raf = (
-            case.reshard_after_forward
-            if case.torch_reshard_after_forward is None
-            else case.torch_reshard_after_forward
-        )
-        torch_runs[case.schedule, raf], _ = _train(mesh, case, torch_fully_shard, raf)
+    references = {n: _reference(n) for n in {case.accumulate for case in CASES}}
+    torch_runs = {
+        case: _train(mesh, case, torch_fully_shard, _torch_setting(case))[0] for case in CASES
+    }
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # other test modules may hold torch's names
         installed = fsdp2.install_as_torch_fsdp()
@@ -249,21 +262,14 @@ def _schedules(rank: int, world_size: int) -> None:
             params, reduce_scatters = _train(
                 mesh, case, fully_shard, case.reshard_after_forward, record=True
             )
-            what = f"[{case.schedule}, reshard_after_forward={case.reshard_after_forward}]"
-            raf = (
-                case.reshard_after_forward
-                if case.torch_reshard_after_forward is None
-                else case.torch_reshard_after_forward
-            )
+            what = str(case)
             for name, value in params.items():
-                torch.testing.assert_close(
-                    value, reference[name], **REF_TOL, msg=f"{what} {name} vs the reference"
-                )
-                expected = torch_runs[case.schedule, raf][name]
-                assert torch.equal(value, expected), (
+                reference = references[case.accumulate][name]
+                torch.testing.assert_close(value, reference, **REF_TOL, msg=f"{what} {name}")
+                assert torch.equal(value, torch_runs[case][name]), (
                     f"{what} {name} differs from torch's fully_shard"
                 )
-            for counts in reduce_scatters:  # one per step and stage
+            for counts in reduce_scatters:  # one per schedule step and stage
                 assert counts and set(counts.values()) == {1}, (
                     f"{what} reduce-scatters per group: {counts}"
                 )
