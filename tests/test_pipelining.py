@@ -47,7 +47,7 @@ import fsdp2
 from fsdp2.common import ShardedState
 from fsdp2.stats import KINDS
 
-VOCAB, DIM, N_BLOCKS, GLOBAL_BATCH, SEQ_LEN, MICROBATCHES, STEPS = 32, 16, 4, 8, 6, 4, 2
+VOCAB, DIM, N_BLOCKS, GLOBAL_BATCH, SEQ_LEN, MICROBATCHES, STEPS = 32, 16, 4, 16, 6, 4, 2
 
 
 class Block(nn.Module):
@@ -176,10 +176,11 @@ def _train(
         kwargs = {"loss_fn": lambda *a: loss_fn(*a) / MICROBATCHES, "scale_grads": False}
     schedule = schedule_cls(stages[0] if single else stages, n_microbatches=MICROBATCHES, **kwargs)
     optimizer = make_optimizer([p for m in modules for p in m.parameters()])
-    dp_rank = mesh["dp"].get_local_rank()
+    dp_size = mesh["dp"].size()
+    dp_rank = dist.get_rank() % dp_size  # pp is the outer axis
     reduce_scatters: list[dict[str, int]] = []
     for step in range(STEPS * case.accumulate):
-        inputs, targets = (t.chunk(2)[dp_rank] for t in global_batch(step))
+        inputs, targets = (t.chunk(dp_size)[dp_rank] for t in global_batch(step))
         targets_kw: dict[str, Any] = {"target": targets} if n_stages - 1 in mine else {}
         with contextlib.ExitStack() as recordings:
             stats = [recordings.enter_context(fsdp2.comm_stats(m)) for m in modules if record]
@@ -243,11 +244,15 @@ def _reference(accumulate: int) -> dict[str, torch.Tensor]:
     return {n: p.detach() for n, p in model.named_parameters()}
 
 
-def _schedules(rank: int, world_size: int) -> None:
+def _schedules(rank: int, world_size: int, cases: list[Case]) -> None:
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
-    references = {n: _reference(n) for n in {case.accumulate for case in CASES}}
+    if world_size == 4:
+        mesh: Any = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    else:  # HSDP stages: each stage's dp mesh is (replicate, shard) = (2, 2)
+        full = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "replicate", "shard"))
+        mesh = {"pp": full["pp"], "dp": full["replicate", "shard"]}
+    references = {n: _reference(n) for n in {case.accumulate for case in cases}}
     torch_runs = {
         case: _train(mesh, case, torch_fully_shard, _torch_setting(case))[0] for case in CASES
     }
@@ -258,7 +263,7 @@ def _schedules(rank: int, world_size: int) -> None:
         from torch.distributed.fsdp import fully_shard
 
         assert fully_shard is fsdp2.fully_shard
-        for case in CASES:
+        for case in cases:
             params, reduce_scatters = _train(
                 mesh, case, fully_shard, case.reshard_after_forward, record=True
             )
@@ -279,7 +284,16 @@ def _schedules(rank: int, world_size: int) -> None:
 
 @pytest.mark.distributed
 def test_every_schedule_drives_fsdp2_stages(tmp_path: Path) -> None:
-    run_ranks(_schedules, 4, tmp_path)
+    run_ranks(_schedules, 4, tmp_path, CASES)
+
+
+@pytest.mark.distributed
+def test_hsdp_stages(tmp_path: Path) -> None:
+    """8 ranks, pp 2 x HSDP (2, 2) stages: 1F1B, and ZBV with
+    reshard_after_forward=True, equal to torch's bit for bit (on four dp ranks
+    HSDP still adds pairs: the shard group's two rows, then the two replicas)."""
+    cases = [Case("Schedule1F1B", True), Case("ScheduleZBVZeroBubble", True, False)]
+    run_ranks(_schedules, 8, tmp_path, cases)
 
 
 USAGE = Path(__file__).parent.parent / "docs" / "usage.md"
