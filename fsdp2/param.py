@@ -376,15 +376,7 @@ class FSDPParam:
         if param is not None and grad is not None:
             param.grad = None
             if isinstance(grad, DTensor):
-                # TP: e.g. Partial() from a sequence-parallel norm; reduce over TP first.
-                # The data-parallel axes of dp_mesh_dims are left as they are: the
-                # reduce-scatter (and all-reduce) below reduce over them.
-                target = self._tp_layout().placements
-                if (spmd := self.mesh_info.spmd) is not None:
-                    dp = spmd.data_parallel
-                    target = tuple(
-                        grad.placements[axis] if axis in dp else p for axis, p in enumerate(target)
-                    )
+                target = self._grad_placements(grad)
                 if grad.placements != target:
                     grad = grad.redistribute(placements=target)
                 grad = grad.to_local()
@@ -395,6 +387,19 @@ class FSDPParam:
             grad = self.unsynced_grad if grad is None else self.unsynced_grad.add_(grad)
             self.unsynced_grad = None
         return grad
+
+    def _grad_placements(self, grad: DTensor) -> tuple:
+        """Where a TP gradient must be before its reduction: the TP layout's
+        placements (e.g. from Partial() after a sequence-parallel norm: reduced
+        over TP first), the data-parallel axes of dp_mesh_dims left as they
+        are (the reduce-scatter and all-reduce reduce over them)."""
+        target = self._tp_layout().placements
+        if (spmd := self.mesh_info.spmd) is not None:
+            dp = spmd.data_parallel
+            target = tuple(
+                grad.placements[axis] if axis in dp else p for axis, p in enumerate(target)
+            )
+        return tuple(target)
 
     def drop_unsharded_grads(self) -> None:
         """Recovery (``reset_iter_state``): forgets the unsharded gradients of the
@@ -423,7 +428,7 @@ class FSDPParam:
             and grad is not None
             and self.unsynced_grad is None
             and grad.dtype == self.reduce_dtype
-            and not isinstance(grad, DTensor)
+            and (not isinstance(grad, DTensor) or grad.placements == self._grad_placements(grad))
         ):
             return
         self.unsynced_grad = self.take_unsharded_grad()

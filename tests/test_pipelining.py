@@ -42,6 +42,7 @@ from dist import run_ranks
 from error_model import REF_TOL
 from models import make_optimizer
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import fsdp2
 from fsdp2.common import ShardedState
@@ -141,12 +142,17 @@ def _stage_indices(schedule: str, pp_rank: int) -> tuple[list[int], int]:
 
 
 def _train(
-    mesh: DeviceMesh, case: Case, shard: Any, reshard_after_forward: bool, record: bool = False
+    mesh: dict[str, DeviceMesh],
+    case: Case,
+    shard: Any,
+    reshard_after_forward: bool,
+    record: bool = False,
 ) -> tuple[dict[str, torch.Tensor], list[dict[str, int]]]:
     """Two pipeline steps with ``shard`` (a ``fully_shard``) on every block and
     stage; returns this rank's parameters, full, by name, and (``record``) the
     reduce-scatters of each group in each step."""
-    import torch.distributed.pipelining as pipelining  # after the install, as users must
+    # torch's runs import it first, before the install: the install must reach it.
+    import torch.distributed.pipelining as pipelining
 
     mine, n_stages = _stage_indices(case.schedule, mesh["pp"].get_local_rank())
     torch.manual_seed(0)
@@ -155,6 +161,9 @@ def _train(
     for index in mine:
         module = Stage(model, index, n_stages)
         for block in module.blocks:
+            if "tp" in mesh:  # Megatron-style: fc1 column-wise, fc2 row-wise
+                plan = {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()}
+                parallelize_module(block, mesh["tp"], plan)
             shard(block, mesh=mesh["dp"], reshard_after_forward=reshard_after_forward)
         shard(module, mesh=mesh["dp"], reshard_after_forward=reshard_after_forward)
         modules.append(module)
@@ -177,7 +186,11 @@ def _train(
     schedule = schedule_cls(stages[0] if single else stages, n_microbatches=MICROBATCHES, **kwargs)
     optimizer = make_optimizer([p for m in modules for p in m.parameters()])
     dp_size = mesh["dp"].size()
-    dp_rank = dist.get_rank() % dp_size  # pp is the outer axis
+    dp_rank = (
+        dist.get_rank() // mesh["tp"].size() % dp_size
+        if "tp" in mesh
+        else dist.get_rank() % dp_size
+    )
     reduce_scatters: list[dict[str, int]] = []
     for step in range(STEPS * case.accumulate):
         inputs, targets = (t.chunk(dp_size)[dp_rank] for t in global_batch(step))
@@ -245,13 +258,30 @@ def _reference(accumulate: int) -> dict[str, torch.Tensor]:
 
 
 def _schedules(rank: int, world_size: int, cases: list[Case]) -> None:
+    if world_size == 4:
+        meshes: list[dict[str, Any]] = [
+            dict(_named(init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))))
+        ]
+    else:
+        # HSDP stages (each stage's dp mesh is (replicate, shard) = (2, 2)), then
+        # FSDP over TP stages (dp 2, tp 2).
+        hsdp = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "replicate", "shard"))
+        tp = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "dp", "tp"))
+        meshes = [
+            {"pp": hsdp["pp"], "dp": hsdp["replicate", "shard"]},
+            {"pp": tp["pp"], "dp": tp["dp"], "tp": tp["tp"]},
+        ]
+    for mesh in meshes:
+        _train_and_compare(mesh, cases)
+
+
+def _named(mesh: DeviceMesh) -> dict[str, DeviceMesh]:
+    return {name: mesh[name] for name in mesh.mesh_dim_names or ()}
+
+
+def _train_and_compare(mesh: dict[str, Any], cases: list[Case]) -> None:
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
-    if world_size == 4:
-        mesh: Any = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
-    else:  # HSDP stages: each stage's dp mesh is (replicate, shard) = (2, 2)
-        full = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "replicate", "shard"))
-        mesh = {"pp": full["pp"], "dp": full["replicate", "shard"]}
     references = {n: _reference(n) for n in {case.accumulate for case in cases}}
     torch_runs = {
         case: _train(mesh, case, torch_fully_shard, _torch_setting(case))[0] for case in CASES
@@ -288,8 +318,9 @@ def test_every_schedule_drives_fsdp2_stages(tmp_path: Path) -> None:
 
 
 @pytest.mark.distributed
-def test_hsdp_stages(tmp_path: Path) -> None:
-    """8 ranks, pp 2 x HSDP (2, 2) stages: 1F1B, and ZBV with
+def test_hsdp_and_tensor_parallel_stages(tmp_path: Path) -> None:
+    """8 ranks: pp 2 x HSDP (2, 2) stages, then pp 2 x dp 2 x tp 2 (each block's
+    fc1 column-wise, fc2 row-wise): 1F1B, and ZBV with
     reshard_after_forward=True, equal to torch's bit for bit (on four dp ranks
     HSDP still adds pairs: the shard group's two rows, then the two replicas)."""
     cases = [Case("Schedule1F1B", True), Case("ScheduleZBVZeroBubble", True, False)]
