@@ -58,6 +58,17 @@ def _clipping_names() -> dict[str, object]:
     }
 
 
+# torch.distributed.pipelining: the names it bound at its import, rebound by the
+# install, and the method wrapped for the split backward (torch_internals.py).
+PIPELINING = {
+    "torch.distributed.pipelining.stage.FSDPModule",
+    "torch.distributed.pipelining.stage.fully_shard",
+    "torch.distributed.pipelining.schedules.FSDPModule",
+    "torch.distributed.pipelining.schedules.UnshardHandle",
+    "torch.distributed.pipelining.stage._PipelineStageBase.backward_maybe_with_nosync",
+}
+
+
 def test_install_puts_fsdp2_under_torchs_names_and_undo_restores_them() -> None:
     before = _torch_names()
     clipping = _clipping_names()
@@ -67,8 +78,14 @@ def test_install_puts_fsdp2_under_torchs_names_and_undo_restores_them() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # other test modules may hold torch's names
         with fsdp2.install_as_torch_fsdp() as names:
-            assert len(names.replaced) == len(before) + len(clipping)
-            assert set(names.replaced) >= clipping.keys()
+            namespaces = {f"{namespace}.{name}" for namespace, name in before}
+            assert set(names.replaced) >= namespaces | clipping.keys() | PIPELINING
+            # Beyond those: torch's own modules that bound torch's names, only.
+            others = set(names.replaced) - namespaces - clipping.keys() - PIPELINING
+            assert all(name.startswith("torch.") for name in others), others
+            assert len(names.replaced) == len(set(names.replaced))
+            stage = sys.modules["torch.distributed.pipelining.stage"]
+            assert (stage.FSDPModule, stage.fully_shard) == (fsdp2.FSDPModule, fsdp2.fully_shard)
             for name, routed in _clipping_names().items():
                 assert routed is getattr(torch_clipping, name.rsplit(".", 1)[1].lstrip("_")), name
             for (namespace, name), _ in before.items():
@@ -88,13 +105,16 @@ def test_install_puts_fsdp2_under_torchs_names_and_undo_restores_them() -> None:
             assert torch_fsdp.fully_shard is fsdp2.fully_shard
     assert _torch_names() == before
     assert _clipping_names() == clipping
+    assert stage.FSDPModule is torch_module_class
+    assert stage.fully_shard is importlib.import_module("torch.distributed.fsdp").fully_shard
+    assert not hasattr(stage._PipelineStageBase.backward_maybe_with_nosync, "__wrapped__")
     names.undo()  # a second undo changes nothing
     assert _torch_names() == before
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with fsdp2.install_as_torch_fsdp(clipping=False) as names:
             assert _clipping_names() == clipping
-            assert len(names.replaced) == len(before)
+            assert not set(names.replaced) & clipping.keys()
 
 
 def test_undo_restores_torchs_names_in_namespaces_imported_by_the_install() -> None:
