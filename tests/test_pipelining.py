@@ -24,9 +24,6 @@ import contextlib
 import faulthandler
 import json
 import os
-import re
-import subprocess
-import sys
 import time
 import warnings
 from multiprocessing.connection import wait
@@ -39,6 +36,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from dist import run_ranks
+from doc_scripts import ROOT, losses_under_torchrun, python_block
 from error_model import REF_TOL
 from models import make_optimizer
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -327,33 +325,13 @@ def test_hsdp_and_tensor_parallel_stages(tmp_path: Path) -> None:
     run_ranks(_schedules, 8, tmp_path, cases)
 
 
-USAGE = Path(__file__).parent.parent / "docs" / "usage.md"
-
-
-def usage_script() -> str:
-    """The first ```python block under docs/usage.md's "## Pipeline parallelism"."""
-    text = USAGE.read_text()
-    section = text[text.index("\n## Pipeline parallelism\n") :]
-    match = re.search(r"```python\n(.*?)```", section, re.DOTALL)
-    assert match is not None, "docs/usage.md: no python block under ## Pipeline parallelism"
-    return match.group(1)
-
-
 @pytest.mark.distributed
 def test_usage_example_runs_under_torchrun(tmp_path: Path) -> None:
     """The script docs/usage.md shows trains under torchrun on 4 CPU ranks
     (ZBV on a (2, 2) mesh) and its loss falls."""
-    path = tmp_path / "pp.py"
-    path.write_text(usage_script())
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    command += ["--nproc-per-node", "4", str(path)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    done = subprocess.run(
-        command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    losses = [float(x) for x in re.findall(r"step \d+: loss ([0-9.]+)", done.stdout)]
-    assert len(losses) == 10, done.stdout
+    script = python_block(ROOT / "docs" / "usage.md", "## Pipeline parallelism")
+    losses = losses_under_torchrun(script, 4, tmp_path, "pp.py")
+    assert len(losses) == 10, losses
     assert losses[-1] < 0.8 * losses[0], losses
 
 

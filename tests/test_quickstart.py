@@ -7,13 +7,10 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import os
-import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from doc_scripts import losses_under_torchrun, python_block
 
 import fsdp2
 
@@ -21,12 +18,7 @@ README = Path(__file__).parent.parent / "README.md"
 
 
 def quickstart_script() -> str:
-    """The first ```python block after the "## Quick start" heading."""
-    text = README.read_text()
-    section = text[text.index("\n## Quick start\n") :]
-    match = re.search(r"```python\n(.*?)```", section, re.DOTALL)
-    assert match is not None, "README.md: no python block under ## Quick start"
-    return match.group(1)
+    return python_block(README, "## Quick start")
 
 
 def test_quickstart_is_a_complete_script() -> None:
@@ -46,19 +38,8 @@ def test_quickstart_is_a_complete_script() -> None:
 
 @pytest.mark.distributed
 def test_quickstart_runs_under_torchrun(tmp_path: Path) -> None:
-    path = tmp_path / "quickstart.py"
-    path.write_text(quickstart_script())
-    # --standalone: torchrun picks a free port itself (no port races).
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    command += ["--nproc-per-node", "2", str(path)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    done = subprocess.run(
-        command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180
-    )
-    output = done.stdout + done.stderr
-    assert done.returncode == 0, output
-    losses = [float(x) for x in re.findall(r"step \d+: loss ([0-9.]+)", done.stdout)]
-    assert len(losses) == 4, output
+    losses = losses_under_torchrun(quickstart_script(), 2, tmp_path, "quickstart.py")
+    assert len(losses) == 4, losses
     assert losses[-1] < losses[0] / 2, losses
 
 
