@@ -303,18 +303,20 @@ class StreamModel(TorchDispatchMode):
                 kind = next((k for k in KINDS if op in k), (op,))
                 alive = self._alive(kind)
                 ceiling = max(2, self.peak_alive.get(kind, 0))
-                deadline = time.monotonic() + 1.0
-                while alive > ceiling and time.monotonic() < deadline:
+                if alive > ceiling:
                     # A new peak: not counting cyclic garbage that the collector
                     # has not reached yet (seen once in a while, source unknown),
-                    # nor a finished collective's buffer that gloo's worker thread
-                    # drops a moment after wait() returned (see ``alive``; seen
-                    # once, HSDP, checkpointed, reshard_after_forward=2). A buffer
-                    # fsdp2 itself holds stays counted.
+                    # nor, for a few milliseconds, a finished collective's buffer
+                    # that gloo's worker thread drops just after wait() returned
+                    # (see ``alive``; seen once, HSDP, checkpointed,
+                    # reshard_after_forward=2). Short: a real peak waits each time.
                     gc.collect()
                     alive = self._alive(kind)
-                    if alive > ceiling:
-                        time.sleep(0.01)
+                    for _ in range(5):
+                        if alive <= ceiling:
+                            break
+                        time.sleep(0.002)
+                        alive = self._alive(kind)
                 self.peak_alive[kind] = max(self.peak_alive.get(kind, 0), alive)
         else:
             buffer.read_on.add(stream)
