@@ -4,6 +4,7 @@ that makes each module an ``FSDPModule`` (whose methods are in module.py)."""
 from __future__ import annotations
 
 import functools
+import types
 from collections.abc import Callable
 from typing import Any, Protocol, cast, overload
 
@@ -274,12 +275,17 @@ def _swap_class(module: nn.Module) -> None:
     module.__class__ = _FSDP_CLASSES[cls]
 
 
-def _checked_forward(forward):
+def _checked_forward(forward: Callable[..., Any]) -> Callable[..., Any]:
     """``forward`` that refuses to run without fully_shard's forward pre-hook
     (``model.forward(x)`` instead of ``model(x)``): it would compute with the
-    sharded DTensors and fail deep inside an operator, or worse."""
+    sharded DTensors and fail deep inside an operator, or worse.
 
-    @functools.wraps(forward)
+    Each sharded class gets a code object of its own: dynamo caches compiled
+    frames (and counts recompiles against its limit) per code object, so one
+    wrapper shared by every class would pool all their graphs under one limit
+    and leave the classes past it running eagerly.
+    """
+
     def checked(self, *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling():
             # The hooks ran, eagerly, just before. Traced, the check would guard the
@@ -299,4 +305,7 @@ def _checked_forward(forward):
             )
         return forward(self, *args, **kwargs)
 
-    return checked
+    name = f"{forward.__qualname__}_checked"
+    code = checked.__code__.replace(co_name=name, co_qualname=name)
+    own = types.FunctionType(code, checked.__globals__, name, None, checked.__closure__)
+    return functools.wraps(forward)(own)

@@ -22,6 +22,7 @@ every all-gather's copy-out bumped the version that backward checks
 from __future__ import annotations
 
 import dataclasses
+import logging
 import sys
 from pathlib import Path
 
@@ -373,3 +374,75 @@ def test_compiled_training_step(tmp_path: Path) -> None:
     """torch.compile of a function that runs forward and backward: every hook,
     backward's included, still runs eagerly, and the model trains like the reference."""
     run_ranks(_compiled_step, 2, tmp_path)
+
+
+# -- many block classes --------------------------------------------------------
+
+N_CLASSES = 10  # over dynamo's recompile_limit (8)
+
+
+def _block_classes() -> list[type[nn.Module]]:
+    """``N_CLASSES`` block classes, each with a forward of its own (its own
+    code object), as a model's distinct block types have."""
+    classes = []
+    for i in range(N_CLASSES):
+        namespace: dict[str, object] = {"nn": nn, "F": F}
+        exec(
+            f"class Block{i}(nn.Module):\n"
+            "    def __init__(self):\n"
+            "        super().__init__()\n"
+            "        self.fc = nn.Linear(8, 8)\n"
+            "    def forward(self, x):\n"
+            f"        return x + F.gelu(self.fc(x)) * {i + 1}\n",
+            namespace,
+        )
+        classes.append(namespace[f"Block{i}"])  # type: ignore[arg-type]
+    return classes
+
+
+def _many_classes_run(shard: object, classes: list[type[nn.Module]]) -> tuple[int, list[str]]:
+    """Three steps of one block of each class, each ``block.compile()``-d
+    after ``shard``; the sequence length changes at the second step (one
+    recompile per class). Returns the frames compiled and dynamo's warnings."""
+    torch._dynamo.reset()
+    backend = CompileCounterWithBackend("aot_eager")
+    torch.manual_seed(0)
+    model = nn.Sequential(*(cls() for cls in classes))
+    for block in model:
+        shard(block)  # type: ignore[operator]
+    shard(model)  # type: ignore[operator]
+    for block in model:
+        block.compile(backend=backend)
+    messages: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger("torch._dynamo")
+    logger.addHandler(handler)
+    try:
+        for seq_len in (4, 6, 6):
+            model(torch.randn(2, seq_len, 8)).sum().backward()
+    finally:
+        logger.removeHandler(handler)
+    return backend.frame_count, messages
+
+
+def _many_classes(rank: int, world_size: int) -> None:
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    classes = _block_classes()
+    torch_frames, _ = _many_classes_run(torch_fully_shard, classes)
+    frames, messages = _many_classes_run(fsdp2.fully_shard, classes)
+    limit_hits = [m for m in messages if "recompile_limit" in m]
+    assert not limit_hits, limit_hits
+    # Every class compiled for both sequence lengths (the second dynamic): none
+    # fell back to eager.
+    assert frames == torch_frames == 2 * N_CLASSES, (frames, torch_frames)
+
+
+@pytest.mark.distributed
+def test_many_block_classes_each_compiled(tmp_path: Path) -> None:
+    """10 sharded block classes, each block.compile()-d, the sequence length
+    changing at step 2: every class compiles twice, as under torch's
+    fully_shard, and dynamo never hits its recompile limit (each sharded
+    class's forward is a code object of its own)."""
+    run_ranks(_many_classes, 2, tmp_path)
