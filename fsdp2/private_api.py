@@ -20,6 +20,7 @@ import dataclasses
 import functools
 import logging
 import operator
+import sys
 from collections.abc import Callable
 from datetime import timedelta
 from types import ModuleType
@@ -121,6 +122,18 @@ def in_backward() -> bool:
     ``torch._C._current_graph_task_id`` is what torch's own fully_shard uses.
     """
     return torch._C._current_graph_task_id() != -1
+
+
+def in_compiled_autograd() -> bool:
+    """Whether this backward runs under compiled autograd
+    (``torch._dynamo.config.compiled_autograd``, ``compiled_autograd._enable``).
+
+    Why private: the flag lives only in ``torch._dynamo.compiled_autograd``;
+    read from ``sys.modules`` so that asking never imports dynamo (compiled
+    autograd has imported it whenever it is on).
+    """
+    module = sys.modules.get("torch._dynamo.compiled_autograd")
+    return module is not None and bool(module.in_compiled_autograd_region)
 
 
 _NOT_PROFILING = contextlib.nullcontext()

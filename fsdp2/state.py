@@ -35,11 +35,31 @@ from .optimizer_hooks import install_optimizer_hooks
 from .param_group import FSDPParamGroup
 from .policy import MixedPrecisionPolicy
 from .post_backward import register_post_backward
-from .private_api import in_backward, local_tensor, map_tensors, profiled, tensors_in
+from .private_api import (
+    in_backward,
+    in_compiled_autograd,
+    local_tensor,
+    map_tensors,
+    profiled,
+    tensors_in,
+)
 from .root import RootContext
 from .timeouts import align_timeouts
 from .torch_fsdp import check_not_under_torch_fsdp
 from .torch_internals import StateReadByTorch
+
+# Compiled autograd drops the autograd engine's final callback that ends
+# fsdp2's backward (its gradient reductions), and traces the hooks with
+# it: the sharded gradients would be missing or wrong, silently. torch's own
+# fully_shard trains wrong under it too (torch 2.13).
+COMPILED_AUTOGRAD_REFUSED = (
+    "fsdp2: this backward runs under compiled autograd "
+    "(torch._dynamo.config.compiled_autograd=True or compiled_autograd._enable), "
+    "which fsdp2 does not support: it skips the callback that reduces the "
+    "gradients, so the sharded gradients would be missing or wrong. Compile the "
+    "forward instead (torch.compile on the model, its blocks or the step) and run "
+    "backward with compiled autograd off."
+)
 
 
 def _profiled(name: str) -> Callable[[Callable], Callable]:
@@ -290,6 +310,8 @@ class FSDPState(StateReadByTorch):
     @eager_hook
     @_profiled("pre_backward")
     def _pre_backward(self, grad: torch.Tensor) -> None:
+        if in_compiled_autograd():
+            raise RuntimeError(COMPILED_AUTOGRAD_REFUSED)
         self.root_ctx.queue_final_callback()
         explicit = bool(self.backward_prefetch)
         started = []

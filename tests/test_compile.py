@@ -446,3 +446,43 @@ def test_many_block_classes_each_compiled(tmp_path: Path) -> None:
     fully_shard, and dynamo never hits its recompile limit (each sharded
     class's forward is a code object of its own)."""
     run_ranks(_many_classes, 2, tmp_path)
+
+
+# -- compiled autograd ---------------------------------------------------------
+
+
+def _compiled_autograd_refused(rank: int, world_size: int) -> None:
+    from torch._dynamo import compiled_autograd
+
+    case = Case(model="transformer")
+    model = _build(case)
+    for block in _blocks(model):
+        fsdp2.fully_shard(block)
+    fsdp2.fully_shard(model)
+    batch = local_batch(_global_batch(case, 0), rank, world_size)
+
+    def step() -> None:
+        _loss(model, *batch).backward()
+
+    refused = r"runs under compiled autograd .* Compile the forward instead"
+    with pytest.raises(RuntimeError, match=refused):
+        with compiled_autograd._enable(torch.compile(backend="aot_eager")):
+            step()
+    model.reset_iter_state()
+    torch._dynamo.reset()
+    torch._dynamo.config.compiled_autograd = True
+    try:
+        with pytest.raises(RuntimeError, match=refused):
+            torch.compile(step, backend="aot_eager")()
+    finally:
+        torch._dynamo.config.compiled_autograd = False
+
+
+@pytest.mark.distributed
+def test_compiled_autograd_is_refused(tmp_path: Path) -> None:
+    """Compiled autograd drops the engine callback that ends fsdp2's backward
+    (its blocks' gradients stayed None, silently; torch's fully_shard trains
+    wrong under it): the first compiled backward raises, saying what to do
+    instead, under compiled_autograd._enable and under the config flag in a
+    compiled step."""
+    run_ranks(_compiled_autograd_refused, 2, tmp_path)
