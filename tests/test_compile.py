@@ -465,9 +465,11 @@ def _compiled_autograd_refused(rank: int, world_size: int) -> None:
         _loss(model, *batch).backward()
 
     refused = r"runs under compiled autograd .* Compile the forward instead"
-    with pytest.raises(RuntimeError, match=refused):
-        with compiled_autograd._enable(torch.compile(backend="aot_eager")):
-            step()
+    with (
+        pytest.raises(RuntimeError, match=refused),
+        compiled_autograd._enable(torch.compile(backend="aot_eager")),
+    ):
+        step()
     model.reset_iter_state()
     torch._dynamo.reset()
     torch._dynamo.config.compiled_autograd = True
