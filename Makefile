@@ -39,6 +39,7 @@ bench: setup
 	$(PY) scripts/bench.py --compression weights-int8 grads-bf16 grads-int8 all-int8
 	$(PY) scripts/bench_replicas.py
 	$(PY) scripts/bench_pp.py
+	$(PY) scripts/bench_import.py
 
 # Host time with many parameter tensors (1k, 5k, 20k; 1 and 2 ranks): optimizer step,
 # clipping, forward+backward and the whole step of plain / fsdp2 / torch's fully_shard,

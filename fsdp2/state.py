@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .common import MeshInfo, ShardedState, eager_hook
+from .common import MeshInfo, ShardedState, arm_eager_hooks, eager_hook
 from .log import logger
 from .mistakes import at_lazy_init
 from .optimizer_hooks import install_optimizer_hooks
@@ -106,6 +106,7 @@ class FSDPState(StateReadByTorch):
         reshard_after_forward: bool | int | None,
         mp_policy: MixedPrecisionPolicy,
     ) -> None:
+        arm_eager_hooks()  # before this state binds and registers its hooks
         self.modules = tuple(modules)
         self.mesh_info = mesh_info
         self.device = device

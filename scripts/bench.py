@@ -17,6 +17,7 @@ fully_shard has no such counter).
     python scripts/bench.py --optim muon         # Muon's optimizer step alone (bench_muon.py)
     python scripts/bench.py --compression weights-int8 grads-bf16 grads-int8 all-int8
                                                # + fsdp2 with each CompressionPolicy setting
+    python scripts/bench.py --compile inductor   # + both FSDPs with each block compiled
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ CONTENDERS = ("fsdp2", "torch", "ddp", "floor")
 # --torch-collectives: fsdp2's engine with torch's own all-gather and
 # reduce-scatter on gloo instead of its own ([Note: collectives on gloo]).
 TORCH_COLLECTIVES = "fsdp2, torch colls"
+# --compile: both FSDPs again, each block compiled after fully_shard (torchtitan's recipe).
+COMPILED = ("fsdp2, compiled", "torch, compiled")
 # --compression: fsdp2 with a CompressionPolicy, one contender per setting.
 COMPRESSION_SETTINGS = {
     "weights-int8": {"weights": "int8"},
@@ -125,6 +128,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=[],
         help="also run fsdp2 with these CompressionPolicy settings (contenders 'fsdp2, "
         "<setting>'; on CPU the cores that compute also quantize)",
+    )
+    p.add_argument(
+        "--compile",
+        choices=("inductor", "aot_eager"),
+        help=f"also run {' and '.join(repr(c) for c in COMPILED)}: each block "
+        "block.compile(backend=...)-d after fully_shard; the warm-up steps compile",
     )
     p.add_argument("--json", help="also write the results to this file")
     args = p.parse_args(argv)
@@ -366,6 +375,14 @@ def worker(rank: int, args: argparse.Namespace, store: str, result_path: str) ->
         models[contender] = shard(
             build_model(args), fsdp2.fully_shard, mesh, args, policies[0], policy
         )
+    if args.compile:
+        for contender, fully_shard, policy in zip(
+            COMPILED, (fsdp2.fully_shard, torch_fully_shard), policies, strict=True
+        ):
+            contenders.append(contender)
+            models[contender] = shard(build_model(args), fully_shard, mesh, args, policy)
+            for block in models[contender].layers:
+                block.compile(backend=args.compile)
     foreach = True if args.foreach == "true" else None
     optims = {
         k: torch.optim.AdamW(m.parameters(), lr=1e-4, foreach=foreach) for k, m in models.items()

@@ -13,6 +13,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 import bench  # noqa: E402
 import bench_host  # noqa: E402
+import bench_import  # noqa: E402
 import bench_pp  # noqa: E402
 
 
@@ -108,3 +109,14 @@ def test_bench_pp_runs_and_reports(tmp_path: Path, capsys: pytest.CaptureFixture
         <= fsdp2_peak["fsdp2, reshard_after_forward=False"]
     )
     assert "trains wrong" in capsys.readouterr().out
+
+
+def test_bench_import_runs_and_reports(capsys: pytest.CaptureFixture) -> None:
+    """scripts/bench_import.py, one round: both imports timed in fresh
+    processes, and ``import fsdp2`` leaves dynamo unimported (its hooks are
+    wrapped for torch.compile at the first fully_shard, not at import)."""
+    result = bench_import.main(["--rounds", "1"])
+    assert set(result["median_s"]) == {"torch", "fsdp2"}
+    assert all(seconds > 0 for seconds in result["median_s"].values())
+    assert result["dynamo_imported"] == {"torch": False, "fsdp2": False}
+    assert "import time, median of 1 fresh processes" in capsys.readouterr().out
