@@ -377,8 +377,13 @@ def check_policies(
     mp_policy: object, offload_policy: object
 ) -> tuple[MixedPrecisionPolicy, OffloadPolicy]:
     """The policies as fsdp2's own (torch's FSDP2 policies are converted, field
-    for field); anything else is refused."""
+    for field; ``offload_policy=None`` is no offload, as for torch); anything
+    else is refused."""
     mp_policy = from_torch_policy(mp_policy)
+    if offload_policy is None:
+        # torch's fully_shard offloads only for a CPUOffloadPolicy (an isinstance
+        # test), so None means no offload there; verl's engines pass it.
+        offload_policy = OffloadPolicy()
     offload_policy = from_torch_policy(offload_policy)
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(

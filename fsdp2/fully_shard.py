@@ -143,7 +143,8 @@ def fully_shard(
             all-gathered, not reduced. (Default: None)
         offload_policy: ``CPUOffloadPolicy()`` keeps sharded parameters,
             gradients and optimizer state on the CPU (torch.distributed.fsdp's
-            policies are accepted too). (Default: no offload)
+            policies are accepted too; None is no offload, as for torch).
+            (Default: no offload)
         shard_placement_fn: called with each parameter; returns the
             ``Shard(dim)`` to shard it on, or None for ``Shard(0)`` (e.g. an
             expert weight whose dim 0 is small), or a

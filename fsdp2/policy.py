@@ -68,7 +68,8 @@ if TYPE_CHECKING:
     import torch.distributed.fsdp as torch_fsdp
 
     MixedPrecisionArg: TypeAlias = MixedPrecisionPolicy | torch_fsdp.MixedPrecisionPolicy
-    OffloadArg: TypeAlias = OffloadPolicy | torch_fsdp.OffloadPolicy
+    # None: no offload, as torch's fully_shard reads it.
+    OffloadArg: TypeAlias = OffloadPolicy | torch_fsdp.OffloadPolicy | None
 else:  # at run time fsdp2 never imports torch's FSDP: the types they become
     MixedPrecisionArg = MixedPrecisionPolicy
     OffloadArg = OffloadPolicy

@@ -84,6 +84,13 @@ def test_fully_shard_builds_with_torchs_policies(mesh: DeviceMesh) -> None:
     assert fsdp_param.param_dtype == torch.bfloat16 and fsdp_param.reduce_dtype == torch.float32
 
 
+def test_offload_policy_none_is_no_offload(mesh: DeviceMesh) -> None:
+    """torch's fully_shard offloads only for a CPUOffloadPolicy, so None means
+    no offload (verl's engines pass it to every call): fsdp2 reads it the same."""
+    model = fsdp2.fully_shard(nn.Linear(8, 8), mesh=mesh, offload_policy=None)
+    assert not model._fsdp_state.param_groups[0].fsdp_params[0].offload
+
+
 class MixedPrecisionPolicy:
     """A user's class named like torch's policy: outside torch.distributed.fsdp,
     so not converted."""
