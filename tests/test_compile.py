@@ -67,6 +67,7 @@ class Case:
     reshard: bool | int = True
     checkpoint: str | None = None  # "inside compile" (checkpoint_wrapper) or "around blocks"
     bf16: bool = False
+    fullgraph: bool = False  # of the blocks' compiles
 
     def __str__(self) -> str:
         fields = [f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self)]
@@ -162,22 +163,23 @@ def _compiled_and_sharded(case: Case, fully_shard, mp_policy, backend) -> nn.Mod
     if case.checkpoint == "inside compile":  # torchtitan: checkpoint, compile, shard
         for i, block in enumerate(blocks):
             blocks[i] = checkpoint_wrapper(block)
+    options = {"backend": backend, "fullgraph": case.fullgraph}
     if case.how == BEFORE_METHOD:
         for block in blocks:
-            block.compile(backend=backend)
+            block.compile(**options)
     elif case.how == BEFORE_WRAP:
         for i, block in enumerate(blocks):
-            blocks[i] = torch.compile(block, backend=backend)
+            blocks[i] = torch.compile(block, **options)
     shard = {"reshard_after_forward": case.reshard, "mp_policy": mp_policy}
     for block in blocks:
         fully_shard(block, **shard)
     fully_shard(model, **shard)
     if case.how == AFTER_METHOD:
         for block in blocks:
-            block.compile(backend=backend)
+            block.compile(**options)
     elif case.how == AFTER_WRAP:
         for i, block in enumerate(blocks):
-            blocks[i] = torch.compile(block, backend=backend)
+            blocks[i] = torch.compile(block, **options)
     elif case.how == WHOLE:
         model = torch.compile(model, backend=backend)
     return model
@@ -278,9 +280,11 @@ def _cases(rank: int, world_size: int, cases: list[Case]) -> None:
 @pytest.mark.distributed
 def test_every_way_to_compile_the_blocks(tmp_path: Path) -> None:
     """Blocks compiled before or after fully_shard, by their method or wrapped,
-    or the whole sharded model compiled: each trains like the eager reference."""
+    or the whole sharded model compiled: each trains like the eager reference;
+    with fullgraph=True too (torchtitan compiles its blocks so, then shards)."""
     cases = [Case(how=how) for how in (BEFORE_METHOD, BEFORE_WRAP, AFTER_METHOD, AFTER_WRAP, WHOLE)]
     cases.append(Case(how=BEFORE_METHOD, tied=False, reshard=False))
+    cases += [Case(how=how, fullgraph=True) for how in (BEFORE_WRAP, BEFORE_METHOD)]
     run_ranks(_cases, 2, tmp_path, cases)
 
 
