@@ -156,8 +156,14 @@ class AllGatherExtension:
         requires_grad: bool,
     ) -> nn.Parameter:
         """The unsharded parameter: built by the first call, refreshed in place after."""
+        # Seen through ``.data``: a version counter apart from the buffers the
+        # copy-out refills in place at every unshard, as a plain unsharded
+        # parameter's is (docs/design.md, "Under torch.compile"). A counter
+        # shared with them would make autograd refuse a backward that saved an
+        # inner tensor (torchao's MX training weights hand theirs out of a
+        # custom Function, as a view).
         outputs = tuple(
-            t.view(-1, *shape[1:])
+            t.data.view(-1, *shape[1:])
             for t, shape in zip(self._outputs, self._input_shapes, strict=True)
         )
         metadata, self._metadata = self._metadata, None

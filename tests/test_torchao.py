@@ -9,6 +9,10 @@ the same model and data (2 gloo ranks):
   fully_shard cannot do over gloo (it has no float8 dtype); the result equals
   torch's fully_shard gathering fp32 and casting after (the same tensorwise
   scale, computed across the shards by the subclass).
+- MX training (mxfp8, emulated on CPU; its weight gradient in mxfp8 or
+  bf16): the weight wrapper all-gathers its bf16 data and hands it to the
+  matmul out of a custom Function; the backward all-gather refills that data
+  in place, which autograd must not see as a modification of what it saved.
 - NF4 (QLoRA): frozen 4-bit base weights next to trainable adapters.
 """
 
@@ -23,6 +27,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from dist import labelled, recorded, run_ranks
 from error_model import EXACT
+from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard  # the reference only
 from torch.testing import assert_close
 
@@ -49,6 +54,23 @@ def _int8_model() -> nn.Module:
 
     model = _mlp()
     quantize_(model, int8_weight_only_quantized_training())
+    return model
+
+
+def _mx_model(wgrad_with_hp: bool) -> nn.Module:
+    """MX training (mxfp8, emulated on CPU): each Linear's weight wrapped in
+    torchao's MXFP8TrainingWeightWrapperTensor, which hands its data to the
+    matmul through a custom Function; with ``wgrad_with_hp`` the weight
+    gradient is computed in bf16 instead of mxfp8."""
+    from torchao import quantize_
+    from torchao.prototype.moe_training.config import MXFP8TrainingOpConfig
+    from torchao.prototype.mx_formats.config import KernelPreference
+
+    model = _mlp()
+    config = MXFP8TrainingOpConfig(
+        kernel_preference=KernelPreference.EMULATED, wgrad_with_hp=wgrad_with_hp
+    )
+    quantize_(model, config, filter_fn=lambda module, fqn: isinstance(module, nn.Linear))
     return model
 
 
@@ -82,17 +104,17 @@ def _nf4_model() -> nn.Module:
     return nn.Sequential(LoRALinear(2 * DIM), nn.ReLU(), LoRALinear(2 * DIM))
 
 
-def _shard(model: nn.Module, fully_shard) -> nn.Module:
+def _shard(model: nn.Module, fully_shard, **kwargs) -> nn.Module:
     for module in model:
         if any(True for _ in module.parameters()):
-            fully_shard(module)
-    fully_shard(model)
+            fully_shard(module, **kwargs)
+    fully_shard(model, **kwargs)
     return model
 
 
-def _train_both(rank: int, models: tuple[nn.Module, nn.Module], out_dim: int):
-    """Three AdamW steps of both models on this rank's slice; per-step losses
-    and fsdp2's all-gathers of each step."""
+def _train_both(rank: int, models: tuple[nn.Module, nn.Module], out_dim: int, batch: int = 4):
+    """Three AdamW steps of both models on this rank's slice of ``batch``
+    rows; per-step losses and fsdp2's all-gathers of each step."""
     optims = [
         # weight_decay=0: the int8 weight has no in-place mul_ for the decay.
         torch.optim.AdamW(
@@ -104,12 +126,12 @@ def _train_both(rank: int, models: tuple[nn.Module, nn.Module], out_dim: int):
     losses, gathers = [], []
     for step in range(3):
         gen = torch.Generator().manual_seed(step)
-        x = torch.randn(4 * WORLD_SIZE, in_dim, generator=gen).chunk(WORLD_SIZE)[rank]
-        y = torch.randn(4 * WORLD_SIZE, out_dim, generator=gen).chunk(WORLD_SIZE)[rank]
+        x = torch.randn(batch * WORLD_SIZE, in_dim, generator=gen).chunk(WORLD_SIZE)[rank]
+        y = torch.randn(batch * WORLD_SIZE, out_dim, generator=gen).chunk(WORLD_SIZE)[rank]
         step_losses = []
         for i, model in enumerate(models):
             with recorded("all_gather") as calls:
-                loss = F.mse_loss(model(x), y)
+                loss = F.mse_loss(model(x).float(), y)  # MX training computes in bf16
                 loss.backward()
             if i == 0:  # fsdp2's (torch's fully_shard calls another collective)
                 gathers.append(
@@ -131,6 +153,8 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
         return t.get_original_weight()
     if hasattr(t, "int_data"):  # int8
         return t.dequantize()
+    if hasattr(t, "_data"):  # MX training's weight wrapper
+        return t._data
     return getattr(t, "_tensor", t)  # float8 training's weight wraps a plain tensor
 
 
@@ -168,6 +192,28 @@ def _torchao_training(rank: int, world_size: int) -> None:
         first = gathers[0][: len(gathers[0]) // 2]  # the forward's
         assert (torch.uint8, DIM * DIM + 4 * DIM) in first, first
         _check_same_params(*models, same_types=False)  # torch's gathers plain weights
+    for wgrad_with_hp in (False, True):
+        with labelled(f"MX training (mxfp8, emulated), wgrad_with_hp={wgrad_with_hp}"):
+            # MX training's subclass all-gathers its data in the param dtype.
+            mp = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}
+            models = (
+                _shard(
+                    _mx_model(wgrad_with_hp),
+                    fsdp2.fully_shard,
+                    mp_policy=fsdp2.MixedPrecisionPolicy(**mp),
+                ),
+                _shard(
+                    _mx_model(wgrad_with_hp),
+                    torch_fully_shard,
+                    mp_policy=TorchMixedPrecisionPolicy(**mp),
+                ),
+            )
+            assert (
+                type(models[0][0].weight.to_local()).__name__ == "MXFP8TrainingWeightWrapperTensor"
+            )
+            gathers = _train_both(rank, models, 32, batch=32)  # mxfp8 blocks: 32 rows
+            assert {dtype for seen in gathers for dtype, _ in seen} == {torch.bfloat16}, gathers
+            _check_same_params(*models)
     with labelled("NF4 base weights with adapters (QLoRA)"):
         models = (_shard(_nf4_model(), fsdp2.fully_shard), _shard(_nf4_model(), torch_fully_shard))
         _train_both(rank, models, 2 * DIM)
@@ -183,6 +229,7 @@ def _torchao_training(rank: int, world_size: int) -> None:
 @pytest.mark.distributed
 def test_torchao_weights_train_like_torch_fully_shard(tmp_path: Path) -> None:
     """int8 quantized training, float8 training with float8 all-gather (over
-    gloo, which torch's fully_shard cannot do) and NF4 frozen weights with
-    adapters train exactly like torch's fully_shard on the same data."""
+    gloo, which torch's fully_shard cannot do), MX training (mxfp8, wgrad in
+    mxfp8 or bf16) and NF4 frozen weights with adapters train exactly like
+    torch's fully_shard on the same data."""
     run_ranks(_torchao_training, WORLD_SIZE, tmp_path)
