@@ -34,7 +34,41 @@ class MixedPrecisionPolicy:
     cast_forward_inputs: bool = True
 
     def __post_init__(self) -> None:
+        for name in ("param_dtype", "reduce_dtype", "output_dtype"):
+            _check_dtype(name, getattr(self, name))
         check_bool("MixedPrecisionPolicy", "cast_forward_inputs", self.cast_forward_inputs)
+
+
+# Spellings of dtypes seen in configs, for the hint of a string given as a dtype.
+_DTYPE_SPELLINGS = {
+    "bf16": "bfloat16",
+    "bfloat16": "bfloat16",
+    "fp16": "float16",
+    "float16": "float16",
+    "half": "float16",
+    "fp32": "float32",
+    "float32": "float32",
+    "float": "float32",
+}
+
+
+def _check_dtype(name: str, value: object) -> None:
+    """A dtype field of ``MixedPrecisionPolicy`` is a floating-point
+    ``torch.dtype`` or None; a string (a config's ``"bf16"``) would only fail
+    at the first forward, deep in a cast."""
+    if value is None or (isinstance(value, torch.dtype) and value.is_floating_point):
+        return
+    where = f"MixedPrecisionPolicy({name}=...)"
+    if isinstance(value, torch.dtype):
+        raise ValueError(
+            f"{where} takes a floating-point dtype, got {value}: parameters and gradients "
+            "are cast to it. Use torch.bfloat16, torch.float16 or torch.float32."
+        )
+    spelled = _DTYPE_SPELLINGS.get(str(value).lower().removeprefix("torch."))
+    hint = f"use torch.{spelled}" if spelled else "use a torch.dtype such as torch.bfloat16"
+    raise TypeError(
+        f"{where} takes a torch.dtype or None, got {type(value).__name__} {value!r}: {hint}."
+    )
 
 
 @dataclass(frozen=True)

@@ -672,6 +672,32 @@ def test_policy_flags_take_only_a_bool(value: object) -> None:
         fsdp2.CPUOffloadPolicy(pin_memory=value)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("field", ["param_dtype", "reduce_dtype", "output_dtype"])
+def test_policy_dtypes_are_checked_where_given(mesh: DeviceMesh, field: str) -> None:
+    """A dtype given as a config string fails in the policy (fsdp2's) or in
+    fully_shard (torch's, converted), naming the dtype meant; a dtype that is
+    not floating point is refused too. Before, "bf16" failed at the first
+    forward ("Invalid device string: 'bf16'")."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
+
+    cases = [
+        ("bf16", TypeError, "got str 'bf16': use torch.bfloat16"),
+        ("torch.float16", TypeError, "got str 'torch.float16': use torch.float16"),
+        (16, TypeError, "got int 16: use a torch.dtype such as torch.bfloat16"),
+        (torch.int8, ValueError, "takes a floating-point dtype, got torch.int8"),
+    ]
+    for value, error, message in cases:
+        match = re.escape(f"MixedPrecisionPolicy({field}=...) ") + ".*" + re.escape(message)
+        with pytest.raises(error, match=match):
+            fsdp2.MixedPrecisionPolicy(**{field: value})
+        model = MLP()
+        with pytest.raises(error, match=match):
+            fully_shard(model, mesh=mesh, mp_policy=TorchMixedPrecisionPolicy(**{field: value}))
+        assert_untouched(model, MLP)
+    for good in (None, torch.bfloat16, torch.float32):
+        assert getattr(fsdp2.MixedPrecisionPolicy(**{field: good}), field) is good
+
+
 # (setter, its boolean arguments): each is called with one of them wrong, the others True.
 BOOL_SETTERS = [
     ("unshard", ["async_op"]),
