@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from .primitives import Collectives
+from .private_api import unseen_by_dispatch_modes
 from .timeouts import naming_failures
 
 _KINDS = ("all-gather", "reduce-scatter", "all-reduce")
@@ -117,7 +118,7 @@ class ExecutionOrderCheck:
         mine = torch.tensor([*entry, numel], dtype=torch.int64, device=self._device)
         everyone = torch.empty(world_size * 3, dtype=torch.int64, device=self._device)
         what = f"execution order check's all-gather before the {self._describe(entry)}"
-        with naming_failures(what, collectives):
+        with naming_failures(what, collectives), unseen_by_dispatch_modes():
             collectives.all_gather(everyone, mine)
         rows = everyone.view(world_size, 3).tolist()
         if all(row == rows[0] for row in rows):

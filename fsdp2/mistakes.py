@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor
 
 from .common import MeshInfo, device_from_mesh
 from .markers import DATA_PARALLEL, IGNORED, SHARDED, SHARDED_AS
+from .private_api import unseen_by_dispatch_modes
 from .same_model import check_same_model, checksums, data_parallel_size, differ, some
 from .timeouts import naming_failures
 
@@ -152,8 +153,11 @@ def _gather(local: torch.Tensor, info: MeshInfo) -> torch.Tensor:
             continue
         # Filled with this rank's values first: a "fake" process group moves no data.
         gathered = out.flatten().repeat(size)
-        with naming_failures(
-            "all-gather of the unsharded parameters' check (first step)", collectives
+        with (
+            naming_failures(
+                "all-gather of the unsharded parameters' check (first step)", collectives
+            ),
+            unseen_by_dispatch_modes(),
         ):
             collectives.all_gather(gathered, out.flatten())
         out = gathered.view(size, *out.shape)

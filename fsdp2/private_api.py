@@ -21,7 +21,7 @@ import functools
 import logging
 import operator
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from types import ModuleType
 from typing import Any, Literal, TypeVar
@@ -42,6 +42,7 @@ _T = TypeVar("_T")
 __all__ = [
     "chunk_cat_",
     "run_as_collective",
+    "unseen_by_dispatch_modes",
     "concatenate_meshes",
     "flatten_axes",
     "dtensor_from_local_no_grad",
@@ -476,6 +477,24 @@ def redistribute_logger() -> logging.Logger:
     public switch turns it off.
     """
     return logging.getLogger("torch.distributed.tensor._redistribute")
+
+
+@contextlib.contextmanager
+def unseen_by_dispatch_modes() -> Iterator[None]:
+    """Runs a safety check's own small collective (the same-model, unsharded
+    and execution-order checks) with this thread's dispatch modes popped, so
+    that ``CommDebugMode``, a user's op logger or a test's counter see the
+    collectives of training alone, as torch's fully_shard issues them; the
+    check still communicates (docs/design.md, "What the checks cost").
+
+    Why private: dispatch modes have no public "hide these ops" switch
+    (``_disable_current_modes``).
+    """
+    if torch._C._len_torch_dispatch_stack() == 0:
+        yield
+        return
+    with _disable_current_modes():
+        yield
 
 
 def run_as_collective(

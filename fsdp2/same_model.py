@@ -43,7 +43,7 @@ from torch.distributed.tensor import DTensor
 from .common import MeshInfo, device_from_mesh
 from .markers import BUILT_AS
 from .primitives import Collectives, backend_for
-from .private_api import local_tensor
+from .private_api import local_tensor, unseen_by_dispatch_modes
 from .timeouts import naming_failures
 
 if TYPE_CHECKING:
@@ -254,7 +254,10 @@ def _copies_message(info: MeshInfo, names: list[str]) -> str:
 def _max_over(rows: torch.Tensor, collectives: Collectives) -> None:
     """In place: the highest of each value over the ranks of ``collectives``
     (a "fake" process group leaves this rank's)."""
-    with naming_failures("all-reduce of the same-model check (first forward)", collectives):
+    with (
+        naming_failures("all-reduce of the same-model check (first forward)", collectives),
+        unseen_by_dispatch_modes(),
+    ):
         collectives.all_reduce(rows, op=dist.ReduceOp.MAX)
 
 

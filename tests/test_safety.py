@@ -784,3 +784,66 @@ def test_dead_peer_fails_within_timeout(
         assert outcome["elapsed"] > 0.8 * timeout, (
             f"rank 0 gave up after {outcome['elapsed']:.1f} s"
         )
+
+
+# -- what the checks' communication shows ----------------------------------------
+
+
+def _counted_first_step(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> list:
+    """``CommDebugMode``'s collective counts of the first forward and of the
+    first backward."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    counts = []
+    with CommDebugMode() as forward:
+        loss = F.mse_loss(model(batch[0]), batch[1])
+    counts.append(dict(forward.get_comm_counts()))
+    with CommDebugMode() as backward:
+        loss.backward()
+    counts.append(dict(backward.get_comm_counts()))
+    return counts
+
+
+def _checks_unseen(rank: int, world_size: int) -> None:
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    batch = local_batch(global_batch(0), rank, world_size)
+    theirs = build_net()
+    for block in theirs.layers:
+        torch_fully_shard(block, mesh=mesh)
+    torch_fully_shard(theirs, mesh=mesh)
+    expected = _counted_first_step(theirs, batch)
+    assert sum(expected[0].values()) and sum(expected[1].values()), expected
+    # fsdp2's same-model check all-reduces in the first forward, the
+    # execution order check (when on) all-gathers before each group's
+    # all-gather: neither counts.
+    variants = {
+        "default": ({}, False),
+        "execution order check on": ({}, True),
+    }
+    for label, (kwargs, order_check) in variants.items():
+        with labelled(label):
+            model = shard_net(build_net(), mesh, **kwargs)
+            model.set_check_execution_order(order_check)
+            assert _counted_first_step(model, batch) == expected, label
+    with labelled("min_numel_to_shard keeps the norms whole"):
+        # The same-model check then also compares the whole parameters (their
+        # gradients are all-reduced, so only the forward is torch's).
+        model = shard_net(build_net(), mesh, min_numel_to_shard=2 * DIM + 1)
+        whole = [
+            p
+            for p in model.parameters()
+            if isinstance(p, DTensor) and p.placements[0].is_replicate()
+        ]
+        assert whole, "no parameter kept whole"
+        assert _counted_first_step(model, batch)[0] == expected[0]
+
+
+@pytest.mark.distributed
+def test_checks_add_no_counted_collective(tmp_path: Path) -> None:
+    """CommDebugMode counts the same collectives in fsdp2's first forward and
+    first backward as in torch's fully_shard's (the same model and data): the
+    same-model check's all-reduce and the execution order check's all-gathers
+    run unseen by dispatch modes."""
+    run_ranks(_checks_unseen, WORLD_SIZE, tmp_path)
