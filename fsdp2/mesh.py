@@ -6,6 +6,7 @@ and ``shard_placement_fn``'s results, resolved into one ``MeshInfo`` per mesh
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -52,7 +53,23 @@ def resolve_mesh(mesh: DeviceMesh | None, full_spmd_mesh: bool = False) -> Devic
             "init_device_mesh(device_type, (replicas, shards), mesh_dim_names=('replicate', "
             "'shard')): the names say which axis replicates and which shards."
         )
+    names = mesh.mesh_dim_names
+    if names is not None and len(names) == 2 and _named_backwards(names):
+        first, second = names
+        warnings.warn(
+            f"fully_shard: the 2D mesh's axes are named ({first!r}, {second!r}), but a 2D "
+            "mesh is taken by position: axis 0 replicates and axis 1 shards, so parameters "
+            f"are replicated over {first!r} and sharded over {second!r}. If that is not "
+            f"what you meant, pass mesh[{second!r}, {first!r}] (replicate first, then shard).",
+            stacklevel=3,
+        )
     return mesh
+
+
+def _named_backwards(names: tuple[str, ...]) -> bool:
+    """Whether a 2D mesh's names say shard first and replicate second."""
+    first, second = (name.lower() for name in names)
+    return "shard" in first and "replicate" not in first and "replicate" in second
 
 
 @dataclass(frozen=True)
