@@ -4,6 +4,7 @@ that makes each module an ``FSDPModule`` (whose methods are in module.py)."""
 from __future__ import annotations
 
 import functools
+import sys
 import types
 from collections.abc import Callable
 from typing import Any, Protocol, cast, overload
@@ -307,6 +308,8 @@ def _checked_forward(forward: Callable[..., Any]) -> Callable[..., Any]:
         return forward(self, *args, **kwargs)
 
     name = f"{forward.__qualname__}_checked"
-    code = checked.__code__.replace(co_name=name, co_qualname=name)
+    code = checked.__code__.replace(co_name=name)
+    if sys.version_info >= (3, 11):  # and the name tracebacks print
+        code = code.replace(co_qualname=name)
     own = types.FunctionType(code, checked.__globals__, name, None, checked.__closure__)
     return functools.wraps(forward)(own)
