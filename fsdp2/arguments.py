@@ -11,7 +11,6 @@ one's checks (param_checks.py), its mesh and dim (``shard_placement_fn``),
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -26,7 +25,6 @@ from .bool_args import check_bool
 from .common import MeshInfo, device_from_mesh, post_forward_mesh_info
 from .comms import CommSettings
 from .layout import ShardLayout
-from .markers import SHARDED_AS
 from .mesh import (
     DataParallelMeshDims,
     MeshInfos,
@@ -132,7 +130,6 @@ def resolve_call(
     post_forward = {id(mesh_info): _post_forward(reshard_after_forward, mesh_info)}
     device = device_from_mesh(mesh)
     ignored = set(ignored_params or ())
-    _warn_foreign_ignored(ignored, modules)
     named_params = [(fqn, p) for fqn, p in _unowned_params(modules) if p not in ignored]
     _check_no_param_shared_with_nested_group(modules)
     check_params(named_params, mesh, device, mp_policy, mesh_info.spmd)
@@ -282,34 +279,6 @@ def _nested_states(modules: list[nn.Module]) -> list[FSDPState]:
         if submodule is not member
     )
     return list(dict.fromkeys(state for state in states if state is not None))
-
-
-def _warn_foreign_ignored(ignored: set[nn.Parameter], modules: list[nn.Module]) -> None:
-    """Warns about entries of ``ignored_params`` that are not parameters of
-    ``modules``, as torch's fully_shard takes them (it leaves them out of
-    nothing): most likely a parameter of another model or a copy, meant to be
-    ignored and now sharded. A parameter a nested ``fully_shard`` replaced
-    (the original object) is no longer in the modules and is left alone."""
-    if not ignored:
-        return
-    params = {id(p) for member in modules for p in member.parameters()}
-    foreign = [
-        t
-        for t in ignored
-        if id(t) not in params and not (isinstance(t, torch.Tensor) and SHARDED_AS in t.__dict__)
-    ]
-    if foreign:
-        described = ", ".join(
-            f"{type(t).__name__} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else repr(t)
-            for t in foreign[:3]
-        )
-        warnings.warn(
-            f"fully_shard: {len(foreign)} of ignored_params are not parameters of "
-            f"{type(modules[0]).__name__} ({described}{', ...' if len(foreign) > 3 else ''}), "
-            "so they ignore nothing. Pass the module's own parameter objects, e.g. "
-            "ignored_params={model.embed.weight}.",
-            stacklevel=4,
-        )
 
 
 def _unowned_params(modules: list[nn.Module]) -> list[tuple[str, nn.Parameter]]:

@@ -180,29 +180,6 @@ def test_2d_mesh_named_shard_first_warns(mesh: DeviceMesh) -> None:
             fully_shard(MLP(), mesh=init_device_mesh("cpu", (2, 4), mesh_dim_names=names))
 
 
-def test_ignored_params_not_of_the_module_warn(mesh: DeviceMesh) -> None:
-    """torch's fully_shard takes any tensor in ignored_params; fsdp2 takes it
-    too and warns, naming what it got, when one is not a parameter of the
-    module (a copy, another model's). The module's own, and a parameter a
-    nested fully_shard replaced, are taken silently."""
-    model = MLP()
-    other = MLP()
-    with pytest.warns(
-        UserWarning,
-        match=r"1 of ignored_params are not parameters of MLP \(Parameter \(12, 16\)\), so they "
-        r"ignore nothing",
-    ):
-        fully_shard(model, mesh=mesh, ignored_params={other.up.weight})
-    assert isinstance(model.up.weight, DTensor)  # sharded: the foreign entry ignored nothing
-    model = MLP()
-    original = model.up.weight
-    fully_shard(model.up, mesh=mesh)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        fully_shard(model, mesh=mesh, ignored_params={original, model.down.weight})
-    assert not isinstance(model.down.weight, DTensor)
-
-
 def test_3d_mesh_raises_and_2d_hsdp_and_1d_submesh_work(mesh: DeviceMesh) -> None:
     mesh_3d = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "replicate", "dp"))
     model = MLP()
