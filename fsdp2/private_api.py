@@ -53,6 +53,7 @@ __all__ = [
     "module_parameters",
     "post_accumulate_grad_hooks",
     "in_backward",
+    "in_compiled_autograd",
     "local_tensor",
     "set_local_tensor",
     "profiled",
