@@ -4,8 +4,6 @@ that makes each module an ``FSDPModule`` (whose methods are in module.py)."""
 from __future__ import annotations
 
 import functools
-import sys
-import types
 from collections.abc import Callable
 from typing import Any, Protocol, cast, overload
 
@@ -29,7 +27,12 @@ from .policy import (
     OffloadArg,
     OffloadPolicy,
 )
-from .private_api import in_backward, mark_composable_api, module_parameters
+from .private_api import (
+    in_backward,
+    mark_composable_api,
+    module_parameters,
+    never_a_compiled_frame,
+)
 from .same_model import remember
 from .state import FSDPState, get_fsdp_state
 from .state_dict import register_state_dict_hooks
@@ -282,34 +285,36 @@ def _checked_forward(forward: Callable[..., Any]) -> Callable[..., Any]:
     (``model.forward(x)`` instead of ``model(x)``): it would compute with the
     sharded DTensors and fail deep inside an operator, or worse.
 
-    Each sharded class gets a code object of its own: dynamo caches compiled
-    frames (and counts recompiles against its limit) per code object, so one
-    wrapper shared by every class would pool all their graphs under one limit
-    and leave the classes past it running eagerly.
+    [Note: the checked forward under torch.compile]
+    Dynamo never starts a compiled frame at the wrapper nor at the check
+    (``never_a_compiled_frame``): a compiled module or block is compiled from
+    its own ``forward`` on, as under torch's fully_shard, so each class keeps
+    its own cache and recompile limit, and no graph break is added. A
+    compiled frame that calls the module inlines the wrapper; the hooks ran
+    eagerly just before, and the check is skipped: traced, it would guard the
+    graph on fsdp2's state and, in a recomputation (activation
+    checkpointing), break it (the autograd engine query is not traceable).
     """
 
+    @functools.wraps(forward)
     def checked(self, *args: Any, **kwargs: Any) -> Any:
-        if torch.compiler.is_compiling():
-            # The hooks ran, eagerly, just before. Traced, the check would guard the
-            # graph on fsdp2's state and, in a recomputation (activation
-            # checkpointing), break it: the autograd engine query is not traceable.
-            return forward(self, *args, **kwargs)
-        state = self.__dict__["_fsdp_state"]
-        in_forward = state.root_ctx.forward_root is not None or in_backward()  # or recomputing
-        if not in_forward or any(
-            group.sharded_state is not ShardedState.UNSHARDED for group in state.param_groups
-        ):
-            raise RuntimeError(
-                f"fsdp2: {type(self).__name__}.forward ran without fully_shard's hooks, so its "
-                "parameters are still sharded. Call the module, model(...), not "
-                "model.forward(...); for another method than forward, use "
-                "register_fsdp_forward_method."
-            )
+        if not torch.compiler.is_compiling():
+            _check_hooks_ran(self)
         return forward(self, *args, **kwargs)
 
-    name = f"{forward.__qualname__}_checked"
-    code = checked.__code__.replace(co_name=name)
-    if sys.version_info >= (3, 11):  # and the name tracebacks print
-        code = code.replace(co_qualname=name)
-    own = types.FunctionType(code, checked.__globals__, name, None, checked.__closure__)
-    return functools.wraps(forward)(own)
+    return never_a_compiled_frame(checked)  # one code object: every class's wrapper
+
+
+@functools.partial(never_a_compiled_frame, nor_its_callees=True)
+def _check_hooks_ran(module: nn.Module) -> None:
+    state = module.__dict__["_fsdp_state"]
+    in_forward = state.root_ctx.forward_root is not None or in_backward()  # or recomputing
+    if not in_forward or any(
+        group.sharded_state is not ShardedState.UNSHARDED for group in state.param_groups
+    ):
+        raise RuntimeError(
+            f"fsdp2: {type(module).__name__}.forward ran without fully_shard's hooks, so its "
+            "parameters are still sharded. Call the module, model(...), not "
+            "model.forward(...); for another method than forward, use "
+            "register_fsdp_forward_method."
+        )

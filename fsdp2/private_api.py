@@ -1,17 +1,15 @@
 """Every private torch API that fsdp2 relies on, in one place.
 
-Each wrapper says why no public API does the job. When torch grows a public
-equivalent, only this file changes. Two private names are used elsewhere by
-necessity, as overrides rather than calls: ``FSDPModule._apply`` (module.py)
-extends ``nn.Module._apply``, the one method every ``model.to()``,
-``.double()`` and ``to_empty()`` goes through, so the group can adopt the
-converted shards; and ``nn.Module._parameters`` is read and written through
-``module_parameters`` below. ``Optimizer._init_group`` (local_step.py) is
-replaced on the instances of torch's elementwise optimizers: it is the one
-point between gathering a group's tensors and running the math on them, and
-no public hook sees the lists; a step pre-hook that swapped the parameter
-lists and states instead would rebuild every state entry twice per step and
-break ``optimizer.state`` for anyone reading it between.
+Each wrapper says why no public API does the job; when torch grows a public
+equivalent, only this file changes. Three private names are used elsewhere,
+as overrides rather than calls: ``FSDPModule._apply`` (module.py) extends
+``nn.Module._apply``, which every ``model.to()``, ``.double()`` and
+``to_empty()`` goes through, so the group adopts the converted shards;
+``nn.Module._parameters`` is reached through ``module_parameters`` below; and
+``Optimizer._init_group`` (local_step.py) is replaced on torch's elementwise
+optimizers, the one point between gathering a group's tensors and the math,
+which no public hook sees (a step pre-hook swapping the lists would rebuild
+every state entry twice per step and break ``optimizer.state`` between).
 """
 
 import contextlib
@@ -29,6 +27,7 @@ from typing import Any, Literal, TypeVar
 import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
+from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy
 from torch.autograd import Variable
 from torch.distributed._composable.contract import REGISTRY_KEY, RegistryItem
 from torch.distributed.device_mesh import DeviceMesh
@@ -54,6 +53,7 @@ __all__ = [
     "post_accumulate_grad_hooks",
     "in_backward",
     "in_compiled_autograd",
+    "never_a_compiled_frame",
     "local_tensor",
     "set_local_tensor",
     "profiled",
@@ -136,6 +136,17 @@ def in_compiled_autograd() -> bool:
     """
     module = sys.modules.get("torch._dynamo.compiled_autograd")
     return module is not None and bool(module.in_compiled_autograd_region)
+
+
+def never_a_compiled_frame(function: Callable, *, nor_its_callees: bool = False) -> Callable:
+    """Returns ``function``, marked so that dynamo never starts a compiled
+    frame at it (nor, with ``nor_its_callees``, at what it calls); a compiled
+    frame that calls it still inlines it. Why private: ``torch._dynamo.skip``
+    also forbids the inlining and imports dynamo; this sets, through the C
+    extension, the frame setting that ``skip`` writes."""
+    callees = _FrameAction.SKIP if nor_its_callees else _FrameAction.DEFAULT
+    set_code_exec_strategy(function.__code__, _FrameExecStrategy(_FrameAction.SKIP, callees))
+    return function
 
 
 _NOT_PROFILING = contextlib.nullcontext()
@@ -344,19 +355,17 @@ def dtensor_spec_of(dtensor: DTensor) -> DTensorSpec:
 
 
 def step_local_tensors(lists: tuple[list[Any], ...]) -> bool:
-    """Puts, in place, each DTensor in ``lists`` by its local tensor, where
+    """Replaces, in place, each DTensor in ``lists`` by its local tensor where
     that is exact for elementwise math: all or nothing (returns whether done).
 
     ``lists[0]`` are the parameters; every other list has one entry per
     parameter (a row) or none (Adam's ``max_exp_avg_sqs`` without amsgrad).
-    In a row whose parameter is a DTensor, each other DTensor must have its
-    mesh and placements, and each plain tensor must be a scalar (a step
-    count): then the local tensors are the same elements in the same places.
-    A row whose parameter is plain is left as it is.
+    In a row whose parameter is a DTensor, each other DTensor must share its
+    mesh and placements and each plain tensor be a scalar (a step count); a
+    row whose parameter is plain is left as it is.
 
-    Why private: ``to_local()`` is an autograd Function, microseconds per call
-    and several calls per parameter per step, the cost this replaces; the
-    mesh and placements are read from the spec without building a tuple each.
+    Why private: ``to_local()`` is an autograd Function, microseconds per call,
+    several per parameter per step; the spec is read without copies.
     """
     params = lists[0]
     specs = [p._spec if type(p) is DTensor else None for p in params]
@@ -411,15 +420,13 @@ def locals_in_place(dtensors: list[Any]) -> None:
 
 def concatenate_meshes(meshes: list[DeviceMesh]) -> DeviceMesh:
     """The mesh whose axes are those of ``meshes`` in order, all slices of one
-    root mesh (e.g. ``mesh["dp"]`` and ``mesh["tp"]``), reusing their process groups.
+    root mesh (e.g. ``mesh["dp"]`` and ``mesh["tp"]``), reusing their process
+    groups; a ValueError if they are not orthogonal slices of one root mesh.
 
     Why private: a sharded TP parameter lives on the axes of both slices, and
     there is no public way to join slices of a mesh. Building a new
     ``DeviceMesh`` from ranks would create new process groups on every call (a
     collective).
-
-    Raises:
-        ValueError: if the meshes are not orthogonal slices of one root mesh.
     """
     try:
         return DeviceMesh._concatenate(meshes)
@@ -491,9 +498,6 @@ def unseen_by_dispatch_modes() -> Iterator[None]:
     Why private: dispatch modes have no public "hide these ops" switch
     (``_disable_current_modes``).
     """
-    if torch._C._len_torch_dispatch_stack() == 0:
-        yield
-        return
     with _disable_current_modes():
         yield
 
@@ -506,18 +510,15 @@ def run_as_collective(
     group: dist.ProcessGroup,
 ) -> _T:
     """Runs ``implementation`` (fsdp2's collective built from other ones, see
-    [Note: collectives on gloo] in primitives.py) so that the dispatch modes of
-    this rank (``CommDebugMode``, the stream model of the tests, a user's op
-    logger) see the one c10d collective it implements, with its output and
-    input, instead of its broadcasts or sends: what they count, read and write
-    is what torch's own collective would show them.
+    [Note: collectives on gloo] in primitives.py) so that this rank's dispatch
+    modes (``CommDebugMode``, the tests' stream model, a user's op logger) see
+    the one c10d collective it implements, with its output and input, as
+    torch's own collective would show them, instead of its broadcasts or sends.
 
     The collective is first dispatched on a stand-in group of torch's fake
-    backend (this rank and the group's size), which exchanges nothing (it
-    fills ``output`` from this rank's data alone), then the parts run with the
-    modes popped and write the real result. Only what this rank's modes see
-    depends on whether it has any: the messages between the ranks are the
-    same on every rank.
+    backend, which exchanges nothing, then the parts run with the modes popped
+    (``unseen_by_dispatch_modes``) and write the real result: the messages
+    between the ranks do not depend on which rank has modes.
 
     Why private: dispatch modes have no public "hide these ops" switch
     (``_disable_current_modes``), and a group that dispatches collectives
@@ -533,7 +534,7 @@ def run_as_collective(
         options = dist.ReduceScatterOptions()
         options.reduceOp = dist.ReduceOp(dist.ReduceOp.SUM)
         stand_in._reduce_scatter_base(output, input, options)
-    with _disable_current_modes():
+    with unseen_by_dispatch_modes():
         return implementation()
 
 
