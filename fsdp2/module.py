@@ -17,6 +17,7 @@ from .param_group import FSDPParamGroup
 from .primitives import Collectives, collectives_for
 from .private_api import group_timeout
 from .state import FSDPState
+from .torch_internals import ModuleReadByTorch
 
 
 class UnshardHandle:
@@ -38,7 +39,7 @@ class UnshardHandle:
                 group.wait_for_unshard()
 
 
-class FSDPModule:
+class FSDPModule(ModuleReadByTorch):
     """Mixed into every module passed to ``fully_shard``."""
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:

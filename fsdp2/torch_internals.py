@@ -17,6 +17,21 @@ backward of a stage)::
             group.post_backward()                      # stage.py:1186
     state._root_post_backward_final_callback()         # stage.py:1191
 
+RL post-training clients (verl 0.9.1) read three more, once
+``install_as_torch_fsdp()`` has made fsdp2's modules torch's:
+
+- verl/utils/fsdp_utils.py:846-852, ``set_reshard_after_forward`` (verl's copy
+  of torch's setter for torch < 2.8): ``module._get_fsdp_state()``, then
+  ``state._auto_reshard_after_forward = False`` and, on
+  ``state._fsdp_param_group``, ``post_forward_mesh_info = _get_post_forward_
+  mesh_info(flag, group.mesh_info)`` (torch's function: the group's mesh info
+  for True, None for False);
+- verl/workers/engine/veomni/utils.py:59-67 and automodel/utils.py:201-209,
+  the engines' model offload: torch's ``_fsdp_state._get_module_fsdp_state``
+  (answered for fsdp2's modules by the install, ``get_module_fsdp_state``
+  below), then ``state._fsdp_param_group._training_state =
+  TrainingState.IDLE`` (torch's enum) before ``model.reshard()``.
+
 Every other name pipelining uses is public (``FSDPModule.unshard``,
 ``reshard``, ``set_requires_gradient_sync``, ``set_reshard_after_backward``,
 ``set_is_last_backward``, ``UnshardHandle.wait``).
@@ -33,6 +48,7 @@ readers of FSDP2 internals and what fsdp2 does for each.
 from __future__ import annotations
 
 import functools
+import importlib
 import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -57,11 +73,58 @@ class StateContextView:
         return list(self._root_ctx.states)
 
 
+class ModuleReadByTorch:
+    """The names clients read on an ``FSDPModule`` (module.py)."""
+
+    def _get_fsdp_state(self) -> Any:  # verl/utils/fsdp_utils.py:846
+        """The module's state, as torch's ``FSDPModule._get_fsdp_state``."""
+        return self.__dict__["_fsdp_state"]
+
+
+def get_module_fsdp_state(torch_lookup: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """torch's ``_fsdp_state._get_module_fsdp_state`` (put in its place by
+    ``install_as_torch_fsdp()``): the fsdp2 state of an fsdp2 module, else what
+    torch's ``torch_lookup`` finds (its own states, or None)."""
+
+    @functools.wraps(torch_lookup)
+    def _get_module_fsdp_state(module: Any) -> Any:  # veomni/utils.py:62, automodel/utils.py:204
+        state = getattr(module, "__dict__", {}).get("_fsdp_state")
+        return state if isinstance(state, StateReadByTorch) else torch_lookup(module)
+
+    return _get_module_fsdp_state
+
+
 class StateReadByTorch:
-    """The names torch's libraries read on a ``FSDPState`` (state.py)."""
+    """The names torch's libraries and clients read on a ``FSDPState`` (state.py)."""
 
     root_ctx: RootContext
     param_groups: list[Any]
+    reshard_after_forward_arg: bool | int | None
+
+    @property
+    def _fsdp_param_group(self) -> ParamGroupView | None:  # fsdp_utils.py:848, veomni/utils.py:65
+        """The state's one group (None without parameters), as torch's property;
+        an AssertionError, as torch's, where ``shard_placement_fn`` made several."""
+        if len(self.param_groups) > 1:
+            raise AssertionError(
+                f"fsdp2: this fully_shard call made {len(self.param_groups)} param groups "
+                "(shard_placement_fn put parameters on several meshes); read "
+                "_fsdp_param_groups instead of _fsdp_param_group."
+            )
+        return self._fsdp_param_groups[0] if self.param_groups else None
+
+    @property
+    def _auto_reshard_after_forward(self) -> bool:  # verl/utils/fsdp_utils.py:847
+        """Whether the root's rule decides (``fully_shard(reshard_after_forward=None)``:
+        the root keeps its parameters after forward, the others reshard)."""
+        return self.reshard_after_forward_arg is None
+
+    @_auto_reshard_after_forward.setter
+    def _auto_reshard_after_forward(self, auto: bool) -> None:
+        if auto:
+            self.reshard_after_forward_arg = None
+        elif self.reshard_after_forward_arg is None:  # keep what the groups do now
+            self.reshard_after_forward_arg = any(g.reshard_after_forward for g in self.param_groups)
 
     @property
     def _state_ctx(self) -> StateContextView:  # read at pipelining/stage.py:1184
@@ -84,8 +147,31 @@ class StateReadByTorch:
         self.root_ctx.end_backward()
 
 
+class MeshInfoView:
+    """A group's mesh info under torch's ``FSDPMeshInfo`` names: what torch's
+    ``_get_post_forward_mesh_info`` reads (verl's setter passes it one)."""
+
+    __slots__ = ("_info",)
+
+    def __init__(self, info: Any) -> None:
+        self._info = info
+
+    mesh = property(lambda self: self._info.mesh)
+    shard_mesh_dim = property(lambda self: self._info.shard_axis)
+    shard_mesh_size = property(lambda self: self._info.shard_world_size)
+    shard_mesh_rank = property(lambda self: self._info.shard_rank)
+    shard_process_group = property(lambda self: self._info.shard_group)
+    replicate_mesh_size = property(lambda self: self._info.replicate_world_size)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, MeshInfoView) and other._info is self._info
+
+    def __hash__(self) -> int:
+        return id(self._info)
+
+
 class ParamGroupView:
-    """One group as torch's libraries see it: ``post_backward()``."""
+    """One group as torch's libraries and clients see it."""
 
     __slots__ = ("_group", "_root_ctx")
 
@@ -100,6 +186,41 @@ class ParamGroupView:
         group that did not run (nothing to reduce) and a second time (the
         gradients were taken the first)."""
         self._root_ctx.reductions.post_backward(self._group)
+
+    @property
+    def mesh_info(self) -> MeshInfoView:  # verl/utils/fsdp_utils.py:850
+        return MeshInfoView(self._group.mesh_info)
+
+    @property
+    def post_forward_mesh_info(self) -> MeshInfoView | None:
+        """torch's encoding of ``reshard_after_forward``: the group's mesh info
+        (True), the smaller group's (an int), or None (False)."""
+        group = self._group
+        if group.post_forward_mesh_info is not None:
+            return MeshInfoView(group.post_forward_mesh_info)
+        return self.mesh_info if group.reshard_after_forward else None
+
+    @post_forward_mesh_info.setter
+    def post_forward_mesh_info(self, value: Any) -> None:  # verl/utils/fsdp_utils.py:849
+        group = self._group
+        if value is None or value == self.mesh_info:
+            group.reshard_after_forward = value is not None
+            group.post_forward_mesh_info = None
+        elif value != self.post_forward_mesh_info:
+            raise NotImplementedError(
+                "fsdp2: a param group's post_forward_mesh_info can be set to its own "
+                "mesh_info (reshard after forward) or None (keep unsharded); resharding "
+                "to a smaller group is chosen in fully_shard(reshard_after_forward=N)."
+            )
+
+    @property
+    def _training_state(self) -> Any:
+        return self._group.training_state
+
+    @_training_state.setter
+    def _training_state(self, value: Any) -> None:  # verl/workers/engine/veomni/utils.py:67
+        """Takes torch's ``TrainingState`` (or fsdp2's) by its name."""
+        self._group.training_state = type(self._group.training_state)[value.name]
 
     def __repr__(self) -> str:
         return f"ParamGroupView({self._group!r})"
@@ -128,6 +249,20 @@ class ParamGroupView:
 
 # Weight halves still to run, per stage root state (input halves minus weight halves).
 _weight_halves_to_run: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+
+
+def adapt_state_lookup() -> list[tuple[Any, str, object, object]]:
+    """Puts ``get_module_fsdp_state`` in place of torch's
+    ``_fsdp_state._get_module_fsdp_state``, for clients that import it when
+    they run (verl's engines); torch's own modules bound it at their import and
+    keep torch's. Returns what it replaced, as ``adapt_pipelining`` does."""
+    state_module: Any = importlib.import_module("torch.distributed.fsdp._fully_shard._fsdp_state")
+    original = state_module._get_module_fsdp_state
+    if getattr(original, "__wrapped__", None) is not None:
+        return []  # already replaced by an install not undone
+    lookup = get_module_fsdp_state(original)
+    state_module._get_module_fsdp_state = lookup
+    return [(state_module, "_get_module_fsdp_state", original, lookup)]
 
 
 def adapt_pipelining() -> list[tuple[Any, str, object, object]]:

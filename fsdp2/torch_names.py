@@ -19,7 +19,7 @@ from .mesh import DataParallelMeshDims
 from .module import FSDPModule, UnshardHandle, register_fsdp_forward_method, share_comm_ctx
 from .policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from .torch_clipping import route_torch_clipping
-from .torch_internals import adapt_pipelining
+from .torch_internals import adapt_pipelining, adapt_state_lookup
 
 # torch's public FSDP2 names whose fsdp2 object has the same meaning.
 FSDP2_OBJECTS: dict[str, object] = {
@@ -128,6 +128,7 @@ def install_as_torch_fsdp(*, clipping: bool = True) -> TorchFSDPNames:
     originals = {name: original for _, name, original, _ in replaced}
     replaced += _rebind_torch_libraries(originals)
     replaced += adapt_pipelining()
+    replaced += adapt_state_lookup()
     _warn_about_early_bindings(originals)
     if clipping:
         replaced += route_torch_clipping()

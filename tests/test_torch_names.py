@@ -241,3 +241,94 @@ def _accelerate_trains_with_fsdp2(rank: int, world_size: int) -> None:
 def test_accelerate_shards_and_trains_with_fsdp2_after_install(tmp_path: Path) -> None:
     pytest.importorskip("accelerate")
     run_ranks(_accelerate_trains_with_fsdp2, 2, tmp_path)
+
+
+# -- the private names RL clients read (torch_internals.py) ------------------------
+
+
+def _rl_client_steps(fsdp_module_cls: type, lookup_module: str) -> tuple[list, list, dict]:
+    """Three training steps driven as verl 0.9.1 drives torch's FSDP state, on a
+    model sharded by whichever ``fully_shard`` torch's names hold:
+
+    - before each step, verl's ``fsdp_utils.set_reshard_after_forward``
+      (fsdp_utils.py:846-852): ``_get_fsdp_state()``,
+      ``_auto_reshard_after_forward = False`` and the group's
+      ``post_forward_mesh_info`` from torch's ``_get_post_forward_mesh_info``,
+      False at the second step (parameters kept unsharded after forward), True
+      otherwise;
+    - after each step, verl's engines' offload (veomni/utils.py:59-67): torch's
+      ``_get_module_fsdp_state`` looked up when it runs, the group's
+      ``_training_state`` set to torch's ``TrainingState.IDLE``, then
+      ``model.reshard()``.
+
+    Returns the losses, which parameters were unsharded after each forward, and
+    the trained parameters."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+    from torch.distributed.fsdp._fully_shard._fsdp_init import _get_post_forward_mesh_info
+
+    kind = "transformer_untied"
+    model = build_model(kind)
+    shard = torch_fsdp.fully_shard
+    for block in model.layers:
+        shard(block)
+    shard(model)
+    optimizer = make_optimizer(model)
+    losses, unsharded_after_forward = [], []
+    rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    for step in range(STEPS):
+        for module in model.modules():
+            if isinstance(module, fsdp_module_cls):
+                state = module._get_fsdp_state()
+                state._auto_reshard_after_forward = False
+                if group := state._fsdp_param_group:
+                    group.post_forward_mesh_info = _get_post_forward_mesh_info(
+                        step != 1, group.mesh_info
+                    )
+        inputs, targets = local_batch(global_batch(kind, step), rank, world_size)
+        loss = mean_loss(model, inputs, targets)
+        unsharded_after_forward.append(
+            [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
+        )
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(global_mean(loss.detach(), world_size))
+        lookup = importlib.import_module(lookup_module)._get_module_fsdp_state
+        found = 0
+        for module in model.modules():
+            state = lookup(module)
+            if state is not None and (group := state._fsdp_param_group) is not None:
+                group._training_state = TrainingState.IDLE
+                found += 1
+        assert found == len(model.layers) + 1, f"the state lookup found {found} groups"
+        model.reshard()
+    return losses, unsharded_after_forward, full_params(model)
+
+
+def _rl_clients(rank: int, world_size: int) -> None:
+    lookup_module = "torch.distributed.fsdp._fully_shard._fsdp_state"
+    theirs = _rl_client_steps(torch_fsdp.FSDPModule, lookup_module)
+    with fsdp2.install_as_torch_fsdp():
+        ours = _rl_client_steps(torch_fsdp.FSDPModule, lookup_module)
+        assert torch_fsdp.FSDPModule is fsdp2.FSDPModule
+    (losses, unsharded, params), (torch_losses, torch_unsharded, torch_params) = ours, theirs
+    # The setter took effect: the blocks kept their parameters unsharded after
+    # the second step's forward only (the root never reshards after forward).
+    assert len(unsharded[1]) > len(unsharded[0]) == len(unsharded[2]), unsharded
+    assert unsharded == torch_unsharded, (unsharded, torch_unsharded)
+    for step, (loss, torch_loss) in enumerate(zip(losses, torch_losses, strict=True)):
+        assert torch.equal(loss, torch_loss), (step, loss, torch_loss)
+    assert params.keys() == torch_params.keys()
+    for name, param in params.items():
+        assert torch.equal(param, torch_params[name]), name
+    lookup = importlib.import_module(lookup_module)._get_module_fsdp_state
+    assert not hasattr(lookup, "__wrapped__"), "undo() gave torch's state lookup back"
+
+
+@pytest.mark.distributed
+def test_rl_clients_private_state_reads_after_install(tmp_path: Path) -> None:
+    """verl's reshard-after-forward setter and its engines' offload reset, which
+    read torch FSDP's private state, drive fsdp2's modules after the install as
+    they drive torch's: the same parameters unsharded after each forward, the
+    same losses and trained parameters, bit for bit."""
+    run_ranks(_rl_clients, 2, tmp_path)
