@@ -10,7 +10,7 @@ from .mesh import DataParallelMeshDims, ShardPlacementResult
 from .module import FSDPModule, UnshardHandle, register_fsdp_forward_method, share_comm_ctx
 from .policy import CompressionPolicy, CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from .stats import CommStats
-from .summary import GroupSummary, comm_stats, summary
+from .summary import GroupSummary, Summary, comm_stats, summary
 from .torch_names import TorchFSDPNames, install_as_torch_fsdp
 
 __all__ = [
@@ -22,6 +22,7 @@ __all__ = [
     "DataParallelMeshDims",
     "FSDPModule",
     "GroupSummary",
+    "Summary",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "ReduceScatter",

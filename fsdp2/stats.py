@@ -93,8 +93,8 @@ def format_table(totals: dict[str, GroupStats], steps: int) -> str:
     from rich.console import Console
     from rich.table import Table
 
-    plural = "" if steps == 1 else "s"
-    table = Table(title=f"fsdp2 communication, totals over {steps} step{plural}")
+    plural = "" if steps == 1 else "s"  # a step is one backward: see the module's docstring
+    table = Table(title=f"fsdp2 communication, totals over {steps} backward{plural}")
     columns = [
         "group",
         "all-gathers",
@@ -127,7 +127,7 @@ def format_table(totals: dict[str, GroupStats], steps: int) -> str:
         table.add_row(
             group, *counts, f"{wait * 1e3:.1f} ms", f"{ready:,} of {sum(k.count for k in kinds):,}"
         )
-    per_step = f", {waited / steps * 1e3:.1f} ms per step" if steps else ""
+    per_step = f", {waited / steps * 1e3:.1f} ms per backward" if steps else ""
     table.caption = f"waited {waited * 1e3:.1f} ms in all{per_step} (exposed communication)"
     # Wider than any table: rich then draws it at its natural width, so no header or
     # group name is cut ("reduce-scatt…") or wrapped, whatever the terminal's width.

@@ -31,11 +31,20 @@ class GroupSummary:
     placements: str
     mesh: str
     reshard_after_forward: str
-    param_dtype: str
+    param_dtype: str  # the compute dtype (MixedPrecisionPolicy.param_dtype)
     reduce_dtype: str
+    storage_dtype: str = ""  # of the shards (the parameters' own dtype)
 
 
-def summary(model: nn.Module, *, print_table: bool = True) -> list[GroupSummary]:
+class Summary(list[GroupSummary]):
+    """What ``summary`` returns: its rows, one per group, a list that prints as
+    one line (the table is what ``summary`` prints on rank 0)."""
+
+    def __repr__(self) -> str:
+        return f"fsdp2.Summary({len(self)} param groups; fsdp2.summary(model) prints the table)"
+
+
+def summary(model: nn.Module, *, print_table: bool = True) -> Summary:
     """Describes every param group under ``model``; works before the first step
     and on meta-device models (it reads only shapes and dtypes).
 
@@ -45,7 +54,8 @@ def summary(model: nn.Module, *, print_table: bool = True) -> list[GroupSummary]
             (Default: True)
 
     Returns:
-        One ``GroupSummary`` per group, in module order.
+        A ``Summary``: one ``GroupSummary`` per group, in module order. It
+        prints as one line, so ``print(summary(model))`` shows the table once.
     """
     paths: dict[FSDPState, list[str]] = {}  # module paths of each state; a list's has several
     for path, module in model.named_modules():
@@ -83,11 +93,14 @@ def summary(model: nn.Module, *, print_table: bool = True) -> list[GroupSummary]
                 reshard_after_forward=_reshard_policy(state, group, is_root=model in state.modules),
                 param_dtype=" | ".join(param_dtypes),
                 reduce_dtype=str(params[0].reduce_dtype).removeprefix("torch."),
+                storage_dtype=" | ".join(
+                    dict.fromkeys(str(p.orig_dtype).removeprefix("torch.") for p in params)
+                ),
             )
         )
     if print_table and (not dist.is_initialized() or dist.get_rank() == 0):
         print_summary(rows)
-    return rows
+    return Summary(rows)
 
 
 def _reshard_policy(state: FSDPState, group: FSDPParamGroup, is_root: bool) -> str:
@@ -103,8 +116,17 @@ def print_summary(rows: list[GroupSummary]) -> None:
     from rich.table import Table
 
     table = Table(title="fsdp2 param groups")
-    columns = ("module", "params", "numel", "unsharded", "shard (this rank)", "padding")
-    for name in (*columns, "placements", "mesh", "reshard", "compute", "reduce"):
+    # The byte columns are in different dtypes: the all-gathered parameters in the
+    # compute dtype, the shards in their own (storage) one.
+    columns = (
+        "module",
+        "params",
+        "numel",
+        "unsharded, compute dtype",
+        "shard (this rank), storage dtype",
+        "padding",
+    )
+    for name in (*columns, "placements", "mesh", "reshard", "compute", "storage", "reduce"):
         table.add_column(
             name, justify="left" if name in ("module", "placements", "mesh") else "right"
         )
@@ -120,6 +142,7 @@ def print_summary(rows: list[GroupSummary]) -> None:
             r.mesh,
             r.reshard_after_forward,
             r.param_dtype,
+            r.storage_dtype,
             r.reduce_dtype,
         )
     totals = (sum(r.unsharded_bytes for r in rows), sum(r.shard_bytes for r in rows))

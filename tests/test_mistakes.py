@@ -552,7 +552,7 @@ def test_comm_stats_prints_a_table() -> None:
     stats.record("(root)", "all_reduce").count = 1
     stats.end_step()
     text = str(stats)
-    assert text.splitlines()[0].strip() == "fsdp2 communication, totals over 1 step"
+    assert text.splitlines()[0].strip() == "fsdp2 communication, totals over 1 backward"
     for header in ("all-gathers", "reduce-scatters", "all-reduces", "bytes", "wait", "ready"):
         assert header in text, text
     row = next(line for line in text.splitlines() if "layers.0" in line)

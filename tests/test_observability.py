@@ -206,7 +206,7 @@ def test_comm_stats_table_never_cuts_its_headers() -> None:
     assert " replica reduce-scatters " in header and " ready when waited " in header, header
     for group in groups:
         assert f" {group} " in out, out
-    assert "totals over 1 step\n" in out, out
+    assert "totals over 1 backward\n" in out, out
 
 
 def test_comm_stats_prints_how_to_record_then_its_table(
@@ -228,7 +228,7 @@ def test_comm_stats_prints_how_to_record_then_its_table(
     assert comm.stats is None
     print(recording)
     out = capsys.readouterr().out
-    assert "fsdp2 communication, totals over 0 steps" in out, out
+    assert "fsdp2 communication, totals over 0 backwards" in out, out
     assert "reduce-scatters" in out and " layers.0 " in out, out
     assert str(recording) == str(stats)
 
