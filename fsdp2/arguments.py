@@ -201,9 +201,20 @@ def check_module(module: nn.Module) -> None:
         )
     if "_fsdp_state" in module.__dict__:
         raise ValueError(
-            f"{type(module).__name__} is already sharded by fully_shard. Call fully_shard "
-            "once per module, bottom-up (children first, then the root)."
+            f"{_already_sharded(module)}. Call fully_shard once per module, bottom-up "
+            "(children first, then the root)."
         )
+
+
+def _already_sharded(module: nn.Module) -> str:
+    """For messages: which sharded module, and the user's call that sharded it."""
+    state = module.__dict__["_fsdp_state"]
+    cls = type(module).__bases__[-1]  # FSDP<Name> derives from (FSDPModule, <Name>)
+    named = ""
+    if state.is_root is not None:  # the root's lazy init named its groups
+        names = {group.name for group in state.param_groups}
+        named = f" ({', '.join(sorted(names))} from the root)" if names else ""
+    return f"this {cls.__name__}{named} is already sharded by the fully_shard call at {state.call_site}"
 
 
 def _module_list(module: nn.Module | list[nn.Module]) -> list[nn.Module]:
@@ -240,9 +251,8 @@ def _module_list(module: nn.Module | list[nn.Module]) -> list[nn.Module]:
     for i, member in enumerate(module):
         if "_fsdp_state" in member.__dict__:
             raise ValueError(
-                f"fully_shard: element {i} of the list ({type(member).__name__}) is already "
-                "sharded by an earlier fully_shard call, and a module belongs to one group. "
-                "Leave it out of the list, or drop the earlier call."
+                f"fully_shard: element {i} of the list: {_already_sharded(member)}, and a "
+                "module belongs to one group. Leave it out of the list, or drop the earlier call."
             )
         check_module(member)
     return list(module)

@@ -4,6 +4,8 @@ that makes each module an ``FSDPModule`` (whose methods are in module.py)."""
 from __future__ import annotations
 
 import functools
+import os
+import sys
 from collections.abc import Callable
 from typing import Any, Protocol, cast, overload
 
@@ -13,7 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .arguments import ParamPlan, PlacementFn, resolve_call
 from .common import ShardedState
-from .markers import SHARDED_AS
+from .markers import SHARDED_AS, ShardedAs
 from .mesh import DataParallelMeshDims
 from .mistakes import mark_ignored
 from .module import FSDPModule
@@ -213,6 +215,7 @@ def fully_shard(
     state = FSDPState(
         modules, call.mesh_info, call.device, call.reshard_after_forward, call.mp_policy
     )
+    state.call_site = _user_call_site()
     for nested in call.nested_states:
         if nested.parent is None:
             nested.parent = state
@@ -235,7 +238,7 @@ def fully_shard(
             )
             by_mesh.setdefault(id(plan.mesh_info), []).append(fsdp_param)
             taken.append((plan.param, fsdp_param))
-            plan.param.__dict__[SHARDED_AS] = plan.sharded_as
+            plan.param.__dict__[SHARDED_AS] = ShardedAs(plan.sharded_as)
         remember(taken)  # each still whole here: compared at lazy init
         for fsdp_params in by_mesh.values():
             info = fsdp_params[0].mesh_info
@@ -257,6 +260,20 @@ def fully_shard(
         mark_composable_api(member, "fully_shard")
         _swap_class(member)
     return module  # type: ignore[return-value]
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def _user_call_site() -> str:
+    """``file:line`` of the first caller outside fsdp2 (the user's fully_shard call)."""
+    frame = sys._getframe(1)
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+        frame = frame.f_back
+    filename = frame.f_code.co_filename
+    if os.path.isabs(filename) and filename.startswith(os.getcwd() + os.sep):
+        filename = os.path.relpath(filename)
+    return f"{filename}:{frame.f_lineno}"
 
 
 def _registrations(

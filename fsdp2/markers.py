@@ -6,7 +6,7 @@ is a dictionary lookup, free for parameters that carry none.
   ``ShardLayout`` (``fully_shard`` refuses to shard it again; the optimizer
   hooks tell it from a plain one, and a piece sharded over replicas).
 - ``SHARDED_AS``: an original parameter that ``fully_shard`` replaced, with
-  where (a later call, or an optimizer holding it, is refused).
+  where, a ``ShardedAs`` (a later call, or an optimizer holding it, is refused).
 - ``IGNORED``: passed as ``ignored_params``: plain on purpose.
 - ``DATA_PARALLEL``: the ``MeshInfo`` a sharded parameter is sharded over
   (set at lazy init, for the optimizer check).
@@ -24,3 +24,18 @@ IGNORED = "_fsdp2_ignored"
 DATA_PARALLEL = "_fsdp2_data_parallel"
 KEPT_CHUNK = "_fsdp2_kept_chunk"
 BUILT_AS = "_fsdp2_built_as"
+
+
+class ShardedAs:
+    """Where a parameter that ``fully_shard`` replaced went, for messages: its
+    name in the sharded module (``'weight' of Embedding``), then its path from
+    the root (``'embed.weight'``) once the root's lazy init has named it."""
+
+    __slots__ = ("in_module", "path")
+
+    def __init__(self, in_module: str) -> None:
+        self.in_module = in_module
+        self.path: str | None = None
+
+    def __str__(self) -> str:
+        return repr(self.path) if self.path is not None else self.in_module

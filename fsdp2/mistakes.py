@@ -91,7 +91,7 @@ def _named_params(optimizer: torch.optim.Optimizer) -> list[tuple[str, torch.Ten
 
 def _refuse_replaced(named: list[tuple[str, torch.Tensor]]) -> None:
     replaced = [
-        name if name.startswith("'") else owner  # the optimizer's name, else where it was
+        name if name.startswith("'") else str(owner)  # the optimizer's name, else where it went
         for name, p in named
         if (owner := p.__dict__.get(SHARDED_AS)) is not None
     ]

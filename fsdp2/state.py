@@ -30,6 +30,7 @@ import torch.nn as nn
 
 from .common import MeshInfo, ShardedState, arm_eager_hooks, eager_hook
 from .log import logger
+from .markers import SHARDED_AS, ShardedAs
 from .mistakes import at_lazy_init
 from .optimizer_hooks import install_optimizer_hooks
 from .param_group import FSDPParamGroup
@@ -108,6 +109,7 @@ class FSDPState(StateReadByTorch):
     ) -> None:
         arm_eager_hooks()  # before this state binds and registers its hooks
         self.modules = tuple(modules)
+        self.call_site = ""  # the user's file:line of the fully_shard call, for messages
         self.mesh_info = mesh_info
         self.device = device
         self.mp_policy = mp_policy
@@ -341,6 +343,11 @@ def _name_from_root(
             # Named by position in the list until now; where it sits is clearer.
             name = fsdp_param.registrations[0].name
             fsdp_param.fqn = f"{path}.{name}" if path else name
+        original = fsdp_param.orig_param_ref()
+        if original is not None and isinstance(
+            where := original.__dict__.get(SHARDED_AS), ShardedAs
+        ):
+            where.path = fsdp_param.fqn  # an optimizer still holding it is told this name
 
 
 def _check_materialized(groups: list[FSDPParamGroup]) -> None:

@@ -148,7 +148,7 @@ def _mistakes(rank: int, world: int) -> None:
         with pytest.raises(
             RuntimeError,
             match=r"the optimizer holds \d+ parameters that fully_shard replaced with sharded "
-            r"ones: 'tok_embeddings.weight' of Transformer, 'pos_embeddings.weight' of Transformer, "
+            r"ones: 'tok_embeddings.weight', 'pos_embeddings.weight', 'layers.0.attention_norm"
             r".* Build the optimizer after fully_shard",
         ):
             optim.step()

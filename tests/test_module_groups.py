@@ -398,8 +398,8 @@ def test_list_with_an_already_sharded_module_raises(mesh: DeviceMesh) -> None:
     fully_shard(model.output, mesh=mesh)
     with pytest.raises(
         ValueError,
-        match=r"element 1 of the list \(FSDPLinear\) is already sharded by an earlier "
-        r"fully_shard call.*Leave it out of the list",
+        match=r"element 1 of the list: this Linear is already sharded by the fully_shard call "
+        r"at \S*test_module_groups\.py:\d+, and a module.*Leave it out of the list",
     ):
         fully_shard([model.norm, model.output], mesh=mesh)
     assert_untouched(model.norm)

@@ -7,6 +7,7 @@ so these tests only look at construction, never at communication.
 
 import copy
 import re
+import sys
 import warnings
 from collections.abc import Callable, Iterator
 
@@ -225,8 +226,13 @@ def test_reshard_after_forward_accepts_bool_or_none(mesh: DeviceMesh, value: boo
 
 def test_sharding_twice_raises(mesh: DeviceMesh) -> None:
     model = fully_shard(MLP(), mesh=mesh)
+    line = sys._getframe().f_lineno - 1
     cls = type(model)
-    with pytest.raises(ValueError, match=r"MLP is already sharded by fully_shard.*once per module"):
+    site = rf"\S*test_validation\.py:{line}"
+    with pytest.raises(
+        ValueError,
+        match=rf"this MLP is already sharded by the fully_shard call at {site}\. .*once per module",
+    ):
         fully_shard(model, mesh=mesh)
     assert type(model) is cls
 
