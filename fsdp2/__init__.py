@@ -12,8 +12,10 @@ from .policy import CompressionPolicy, CPUOffloadPolicy, MixedPrecisionPolicy, O
 from .stats import CommStats
 from .summary import GroupSummary, Summary, comm_stats, summary
 from .torch_names import TorchFSDPNames, install_as_torch_fsdp
+from .version import __version__
 
 __all__ = [
+    "__version__",
     "AllGather",
     "CPUOffloadPolicy",
     "Comm",

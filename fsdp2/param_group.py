@@ -42,6 +42,7 @@ from .post_backward import PostBackwardCount
 from .private_api import outside_functorch, profiled
 from .reduce_scatter import ReduceInFlight
 from .sharded_grads import GroupGrads
+from .version import versions
 
 
 class GroupContext(Protocol):
@@ -142,7 +143,12 @@ class FSDPParamGroup:
         return groups
 
     def fail(self, message: str) -> AssertionError:
-        return AssertionError(f"[rank {self.mesh_info.shard_rank}] group {self.name!r}: {message}")
+        """An internal error (a state the engine should never reach): with the
+        versions a bug report needs."""
+        return AssertionError(
+            f"[rank {self.mesh_info.shard_rank}] group {self.name!r}: {message} ({versions()}; "
+            "an fsdp2 bug: please report it with this message)"
+        )
 
     # -- sharded state ----------------------------------------------------
 

@@ -8,9 +8,10 @@ evaluation) go into the step still open.
 
 from __future__ import annotations
 
-import io
 from collections import defaultdict
 from dataclasses import dataclass, field
+
+from .table import render_table
 
 
 @dataclass
@@ -25,8 +26,6 @@ class CollectiveStats:
     # Finished by the time they were waited for: fully hidden behind compute.
     ready_when_waited: int = 0
 
-
-UNCUT_WIDTH = 100_000  # characters: see format_table
 
 # Every kind of collective a group records.
 KINDS = (
@@ -90,12 +89,8 @@ class CommStats:
 def format_table(totals: dict[str, GroupStats], steps: int) -> str:
     """Per group: the count and bytes of each collective, the time the training
     thread waited for them and how many were done when waited for (hidden)."""
-    from rich.console import Console
-    from rich.table import Table
-
     plural = "" if steps == 1 else "s"  # a step is one backward: see the module's docstring
-    table = Table(title=f"fsdp2 communication, totals over {steps} backward{plural}")
-    columns = [
+    headers = [
         "group",
         "all-gathers",
         "bytes",
@@ -112,9 +107,8 @@ def format_table(totals: dict[str, GroupStats], steps: int) -> str:
         for stats in totals.values()
     )
     if replicas:
-        columns[-2:-2] = ["replica all-gathers", "bytes", "replica reduce-scatters", "bytes"]
-    for name in columns:
-        table.add_column(name, justify="left" if name == "group" else "right")
+        headers[-2:-2] = ["replica all-gathers", "bytes", "replica reduce-scatters", "bytes"]
+    rows = []
     waited = 0.0
     for group, stats in totals.items():
         kinds = [stats.all_gather, stats.reduce_scatter, stats.all_reduce]
@@ -124,16 +118,21 @@ def format_table(totals: dict[str, GroupStats], steps: int) -> str:
         waited += wait
         counts = [c for k in kinds for c in (f"{k.count:,}", human_bytes(k.bytes))]
         ready = sum(k.ready_when_waited for k in kinds)
-        table.add_row(
-            group, *counts, f"{wait * 1e3:.1f} ms", f"{ready:,} of {sum(k.count for k in kinds):,}"
+        rows.append(
+            [
+                group,
+                *counts,
+                f"{wait * 1e3:.1f} ms",
+                f"{ready:,} of {sum(k.count for k in kinds):,}",
+            ]
         )
     per_step = f", {waited / steps * 1e3:.1f} ms per backward" if steps else ""
-    table.caption = f"waited {waited * 1e3:.1f} ms in all{per_step} (exposed communication)"
-    # Wider than any table: rich then draws it at its natural width, so no header or
-    # group name is cut ("reduce-scatt…") or wrapped, whatever the terminal's width.
-    out = io.StringIO()
-    Console(file=out, width=UNCUT_WIDTH, highlight=False).print(table)
-    return "\n".join(line.rstrip() for line in out.getvalue().splitlines())
+    return render_table(
+        f"fsdp2 communication, totals over {steps} backward{plural}",
+        [(name, "left" if name == "group" else "right") for name in headers],
+        rows,
+        f"waited {waited * 1e3:.1f} ms in all{per_step} (exposed communication)",
+    )
 
 
 def human_bytes(nbytes: int) -> str:

@@ -12,12 +12,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from .param_group import FSDPParamGroup
 from .state import FSDPState, get_fsdp_state
 from .stats import CommStats, human_bytes
+from .table import render_table
+from .version import TESTED_TORCH, __version__
 
 
 @dataclass(frozen=True)
@@ -112,26 +115,24 @@ def _reshard_policy(state: FSDPState, group: FSDPParamGroup, is_root: bool) -> s
 
 
 def print_summary(rows: list[GroupSummary]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title="fsdp2 param groups")
     # The byte columns are in different dtypes: the all-gathered parameters in the
     # compute dtype, the shards in their own (storage) one.
-    columns = (
+    headers = (
         "module",
         "params",
         "numel",
         "unsharded, compute dtype",
         "shard (this rank), storage dtype",
         "padding",
+        "placements",
+        "mesh",
+        "reshard",
+        "compute",
+        "storage",
+        "reduce",
     )
-    for name in (*columns, "placements", "mesh", "reshard", "compute", "storage", "reduce"):
-        table.add_column(
-            name, justify="left" if name in ("module", "placements", "mesh") else "right"
-        )
-    for r in rows:
-        table.add_row(
+    cells = [
+        [
             r.module or "(root)",
             str(r.num_params),
             f"{r.numel:,}",
@@ -144,17 +145,22 @@ def print_summary(rows: list[GroupSummary]) -> None:
             r.param_dtype,
             r.storage_dtype,
             r.reduce_dtype,
-        )
+        ]
+        for r in rows
+    ]
     totals = (sum(r.unsharded_bytes for r in rows), sum(r.shard_bytes for r in rows))
-    table.caption = (
-        f"total: {human_bytes(totals[0])} unsharded, {human_bytes(totals[1])} on this rank"
+    title = (
+        f"fsdp2 {__version__} param groups (torch {torch.__version__}; tested with {TESTED_TORCH})"
     )
-    console = Console()
-    if not console.is_terminal:
-        # Logs and pipes have no width: as wide as the table wants, no column squeezed.
-        wide = Console(width=100_000)
-        console = Console(width=wide.measure(table).maximum)
-    console.print(table)
+    left = ("module", "placements", "mesh")
+    print(
+        render_table(
+            title,
+            [(name, "left" if name in left else "right") for name in headers],
+            cells,
+            f"total: {human_bytes(totals[0])} unsharded, {human_bytes(totals[1])} on this rank",
+        )
+    )
 
 
 class CommStatsRecording:

@@ -153,7 +153,7 @@ def test_summary_prints_table(fake_mesh: DeviceMesh, capsys: pytest.CaptureFixtu
     assert capsys.readouterr().out == ""
     rows = fsdp2.summary(model)
     out = capsys.readouterr().out
-    assert "fsdp2 param groups" in out, out
+    assert f"fsdp2 {fsdp2.__version__} param groups (torch " in out, out
     for row in rows:
         line = next(line for line in out.splitlines() if f" {row.module or '(root)'} " in line)
         assert f"{row.numel:,}" in line and "(Shard(dim=0),)" in line, line
@@ -357,7 +357,7 @@ def _summary_and_comm_stats(rank: int, world_size: int, mesh: DeviceMesh) -> Non
         reshard = {"": "False", **{g: "True" for g in GROUPS[1:]}}
         check_rows(rows, expected, reshard, mesh=mesh_str)
         if rank == 0:
-            assert "fsdp2 param groups" in out.getvalue(), out.getvalue()
+            assert f"fsdp2 {fsdp2.__version__} param groups" in out.getvalue(), out.getvalue()
             assert "layers.1" in out.getvalue(), out.getvalue()
         else:
             assert out.getvalue() == "", out.getvalue()
@@ -474,3 +474,17 @@ def test_summary_comm_stats_profiler_labels_and_log(tmp_path: Path) -> None:
     logger says nothing at INFO and at DEBUG traces every state transition of a
     block through a step, in order."""
     run_ranks(_observability, WORLD_SIZE, tmp_path)
+
+
+def test_internal_errors_carry_the_versions(fake_mesh: DeviceMesh) -> None:
+    """An engine state that should never be reached says which fsdp2 and torch
+    ran, and that it is a bug to report."""
+    model = shard_model(build_model(KIND, n_layers=N_LAYERS), mesh=fake_mesh)
+    group = fsdp2.fully_shard.state(model.layers[0]).param_groups[0]
+    with pytest.raises(
+        AssertionError, match=r"wait_for_unshard\(\) without an all-gather in flight"
+    ) as e:
+        group.wait_for_unshard()
+    message = str(e.value)
+    assert f"fsdp2 {fsdp2.__version__}, torch {torch.__version__} (tested with " in message, message
+    assert "please report it" in message, message
