@@ -129,6 +129,12 @@ def resolve_call(
     check_compression(compression, mesh_info, over_replicas)
     post_forward = {id(mesh_info): _post_forward(reshard_after_forward, mesh_info)}
     device = device_from_mesh(mesh)
+    if isinstance(ignored_params, torch.Tensor):
+        raise TypeError(
+            "fully_shard(ignored_params=...) takes a set of parameters, got one "
+            f"{type(ignored_params).__name__} of shape {tuple(ignored_params.shape)}: pass "
+            "{param}, e.g. ignored_params={model.embed.weight}."
+        )
     ignored = set(ignored_params or ())
     named_params = [(fqn, p) for fqn, p in _unowned_params(modules) if p not in ignored]
     _check_no_param_shared_with_nested_group(modules)

@@ -1,19 +1,32 @@
-"""Boolean arguments, checked strictly: ``True`` or ``False`` and nothing else.
+"""Boolean arguments, read as torch's fully_shard reads them, minus its traps.
 
-A config value such as ``"false"`` is truthy and ``1`` or ``2.5`` only look
-like flags, so taking them as booleans would silently turn an option on. Every
+torch tests its flags for truth, so it gives a meaning to ``0``/``1``, numpy's
+booleans and integers and ``None`` (False): fsdp2 takes those too, with that
+meaning (docs/usage.md, "Arguments torch accepts"). It refuses a string,
+because ``"false"`` is true and would silently turn an option on, and a float
+or any other object, which in a flag's place is a misplaced value. Every
 boolean keyword of ``fully_shard``, of its policies and of ``FSDPModule``'s
-setters goes through ``check_bool``.
+setters goes through ``check_bool``, and the code uses the bool it returns.
 """
 
+import numbers
 
-def check_bool(where: str, name: str, value: object, hint: str = "") -> bool:
-    """``value`` if it is a ``bool``; otherwise a TypeError naming ``where``
-    (the function or class) and ``name`` (the argument), ending with ``hint``."""
-    if not isinstance(value, bool):
-        raise TypeError(
-            f"{where}({name}=...) takes True or False, got {type(value).__name__} {value!r}. "
-            f"Pass {name}=True or {name}=False; convert a config value first "
-            f"(bool('false') is True).{hint}"
-        )
-    return value
+import numpy as np  # torch has imported it already
+
+
+def check_bool(
+    where: str, name: str, value: object, hint: str = "", *, strict: bool = False
+) -> bool:
+    """``value`` as a bool where torch reads it as one (a bool, an integer,
+    ``None``; with ``strict``, where torch too takes only a bool, a bool);
+    otherwise a TypeError naming ``where`` (the function or class) and
+    ``name`` (the argument), ending with ``hint``."""
+    if isinstance(value, bool):
+        return value
+    if not strict and (value is None or isinstance(value, numbers.Integral | np.bool_)):
+        return bool(value)
+    raise TypeError(
+        f"{where}({name}=...) takes True or False, got {type(value).__name__} {value!r}. "
+        f"Pass {name}=True or {name}=False; convert a config value first "
+        f"(bool('false') is True).{hint}"
+    )

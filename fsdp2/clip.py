@@ -34,6 +34,7 @@ from .private_api import (
     locals_in_place,
     shards_tensor,
 )
+from .reduction import ReductionPipeline
 from .sharded_grads import whole_buffers
 from .timeouts import naming_failures
 
@@ -85,6 +86,8 @@ def clip_grad_norm_(
     """
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
+    if ReductionPipeline.left_in_flight:  # set_is_last_backward(False): every gradient first
+        ReductionPipeline.finish_left_in_flight()
     norm_type = float(norm_type)
     if not norm_type > 0:
         raise ValueError(

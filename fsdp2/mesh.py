@@ -113,6 +113,10 @@ def _names(value: str | tuple[str, ...] | None) -> tuple[str, ...]:
 def spmd_mesh_info(mesh: DeviceMesh, dims: DataParallelMeshDims) -> MeshInfo:
     """The data-parallel axes of ``mesh`` named by ``dims``, as the ``MeshInfo``
     of a 1D (FSDP) or 2D (HSDP) mesh over them, with the full mesh kept."""
+    if type(dims).__name__ == "DataParallelMeshDims" and type(dims).__module__.startswith(
+        "torch.distributed.fsdp"
+    ):  # torch's own, field for field
+        dims = DataParallelMeshDims(shard=dims.shard, replicate=dims.replicate)
     if not isinstance(dims, DataParallelMeshDims):
         raise TypeError(
             f"dp_mesh_dims must be an fsdp2.DataParallelMeshDims, got {type(dims).__name__}."

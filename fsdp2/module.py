@@ -3,6 +3,7 @@ module-level functions that act on sharded modules."""
 
 from __future__ import annotations
 
+import numbers
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -62,7 +63,7 @@ class FSDPModule(ModuleReadByTorch):
             async_op: return a handle whose ``wait()`` finishes the all-gather
                 instead of waiting here. (Default: False)
         """
-        check_bool("unshard", "async_op", async_op)
+        async_op = check_bool("unshard", "async_op", async_op)
         # No lazy init: called on a block before the first forward, that would
         # make the block a root. The group's own context serves until then.
         groups = self._fsdp_state.param_groups
@@ -79,9 +80,7 @@ class FSDPModule(ModuleReadByTorch):
         for group in self._fsdp_state.param_groups:
             group.reshard()
 
-    def set_reshard_after_forward(
-        self, reshard_after_forward: bool, *, recurse: bool = True
-    ) -> None:
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         """Sets whether to free the unsharded parameters after forward.
 
         Args:
@@ -93,8 +92,9 @@ class FSDPModule(ModuleReadByTorch):
             "reshard_after_forward",
             reshard_after_forward,
             hint=" Resharding to a smaller group is chosen in fully_shard(reshard_after_forward=N).",
+            strict=True,  # as torch's
         )
-        check_bool("set_reshard_after_forward", "recurse", recurse)
+        recurse = check_bool("set_reshard_after_forward", "recurse", recurse)
         for module in self._fsdp_modules(recurse):
             state = module._fsdp_state
             state.reshard_after_forward_arg = reshard_after_forward
@@ -114,7 +114,7 @@ class FSDPModule(ModuleReadByTorch):
             reshard_after_backward: the new policy.
             recurse: apply to every sharded submodule too. (Default: True)
         """
-        _check_bools(
+        reshard_after_backward, recurse = _check_bools(
             "set_reshard_after_backward",
             reshard_after_backward=reshard_after_backward,
             recurse=recurse,
@@ -138,7 +138,7 @@ class FSDPModule(ModuleReadByTorch):
             requires_gradient_sync: whether the next backwards reduce gradients.
             recurse: apply to every sharded submodule too. (Default: True)
         """
-        _check_bools(
+        requires_gradient_sync, recurse = _check_bools(
             "set_requires_gradient_sync",
             requires_gradient_sync=requires_gradient_sync,
             recurse=recurse,
@@ -156,7 +156,7 @@ class FSDPModule(ModuleReadByTorch):
             requires_all_reduce: whether the next backwards all-reduce.
             recurse: apply to every sharded submodule too. (Default: True)
         """
-        _check_bools(
+        requires_all_reduce, recurse = _check_bools(
             "set_requires_all_reduce", requires_all_reduce=requires_all_reduce, recurse=recurse
         )
         for group in self._param_groups(recurse):
@@ -166,7 +166,7 @@ class FSDPModule(ModuleReadByTorch):
         """Whether the next backward is the last before the optimizer step. If
         not, its last reduce-scatter is left in flight at the end of backward
         (finished by the next backward's), overlapping the next forward."""
-        check_bool("set_is_last_backward", "is_last_backward", is_last_backward)
+        is_last_backward = check_bool("set_is_last_backward", "is_last_backward", is_last_backward)
         self._fsdp_state.root_ctx.reductions.is_last_backward = is_last_backward
 
     def reset_iter_state(self) -> None:
@@ -183,7 +183,7 @@ class FSDPModule(ModuleReadByTorch):
         warn once if a rank deviates from its first. Call it on the root, on every
         rank (``TORCH_DISTRIBUTED_DEBUG=DETAIL`` turns it on too). See
         [Note: why order matters] in execution_order.py."""
-        check_bool("set_check_execution_order", "enabled", enabled)
+        enabled = check_bool("set_check_execution_order", "enabled", enabled)
         self._fsdp_state.root_ctx.enable_order_check(enabled)
 
     def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
@@ -199,23 +199,22 @@ class FSDPModule(ModuleReadByTorch):
 
     # -- gradient reduction -------------------------------------------------
 
-    def set_gradient_divide_factor(self, factor: float) -> None:
+    def set_gradient_divide_factor(self, factor: float | None) -> None:
         """Divides this module's reduced gradients by ``factor`` instead of the
         number of ranks averaged over, e.g. 1 when the loss is already a sum
         normalised by a global token count (torchtitan). Not recursive.
 
         Args:
-            factor: a positive number.
+            factor: a positive number (a Python or numpy number, or a one-element
+                tensor), or None for the default again (the ranks averaged over).
         """
-        if isinstance(factor, bool) or not isinstance(factor, int | float) or factor <= 0:
-            raise ValueError(
-                f"set_gradient_divide_factor expects a positive number, got {factor!r}."
-            )
+        if factor is not None:
+            factor = _positive_number(factor)
         for group in self._param_groups(recurse=False):
-            group.gradient_divide_factor = float(factor)
+            group.gradient_divide_factor = factor
             group.clear_divide_plan()
 
-    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+    def set_reduce_scatter_divide_factor(self, factor: float | None) -> None:
         """Deprecated name of :meth:`set_gradient_divide_factor` (as in torch)."""
         warnings.warn(
             "set_reduce_scatter_divide_factor is deprecated: use set_gradient_divide_factor.",
@@ -235,7 +234,7 @@ class FSDPModule(ModuleReadByTorch):
         Args:
             enable: whether to sum only. (Default: False)
         """
-        check_bool("set_force_sum_reduction_for_comms", "enable", enable)
+        enable = check_bool("set_force_sum_reduction_for_comms", "enable", enable)
         for group in self._param_groups(recurse=False):
             group.force_sum_reduction_for_comms = enable
             group.clear_divide_plan()
@@ -253,7 +252,7 @@ class FSDPModule(ModuleReadByTorch):
                 trainable parameters.
             recurse: apply to every sharded submodule too. (Default: True)
         """
-        _check_bools(
+        reduce_scatter_unused_params, recurse = _check_bools(
             "set_reduce_scatter_unused_params",
             reduce_scatter_unused_params=reduce_scatter_unused_params,
             recurse=recurse,
@@ -262,7 +261,7 @@ class FSDPModule(ModuleReadByTorch):
             group.reduce_scatter_unused_params = reduce_scatter_unused_params
 
     def set_all_reduce_hook(
-        self, hook: Callable[[torch.Tensor], None], *, stream: torch.Stream | None = None
+        self, hook: Callable[[torch.Tensor], None] | None, *, stream: torch.Stream | None = None
     ) -> None:
         """Calls ``hook(reduce_output)`` on each finished gradient reduction of
         this module, before the sharded gradients are assigned from it: the
@@ -271,13 +270,16 @@ class FSDPModule(ModuleReadByTorch):
         that fsdp2 does not know. Not recursive.
 
         Args:
-            hook: changes the flat output in place; returns None.
+            hook: changes the flat output in place; returns None. None removes
+                the hook set before.
             stream: accelerators, FSDP only: the stream to run the hook on.
                 (Default: None, the current stream)
         """
-        if not callable(hook):
+        if hook is not None and not callable(hook):
             raise TypeError(f"set_all_reduce_hook expects a callable, got {type(hook).__name__}.")
         state = self._fsdp_state
+        if isinstance(stream, torch.cpu.Stream) or getattr(stream, "device_type", None) == "cpu":
+            stream = None  # the CPU's one stream: where the reduction finishes anyway
         if stream is not None:
             if not state.root_ctx.comm.uses_streams:
                 raise ValueError(
@@ -305,7 +307,7 @@ class FSDPModule(ModuleReadByTorch):
             max_input_buffers: an int >= 1.
             recurse: apply to every sharded submodule too. (Default: True)
         """
-        check_bool("set_reduce_scatter_max_input_buffers", "recurse", recurse)
+        recurse = check_bool("set_reduce_scatter_max_input_buffers", "recurse", recurse)
         if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
             raise TypeError(
                 f"max_input_buffers must be an int, got {type(max_input_buffers).__name__}"
@@ -333,7 +335,9 @@ class FSDPModule(ModuleReadByTorch):
             enable: a separate group (True) or the shard group again (False).
             recurse: apply to every sharded submodule too. (Default: True)
         """
-        _check_bools("set_separate_reduce_scatter_group", enable=enable, recurse=recurse)
+        enable, recurse = _check_bools(
+            "set_separate_reduce_scatter_group", enable=enable, recurse=recurse
+        )
         created: dict[tuple[int, ...], Collectives] = {}  # one per set of ranks
         for group in self._param_groups(recurse):
             info = group.mesh_info
@@ -361,7 +365,9 @@ class FSDPModule(ModuleReadByTorch):
         module whose backward never reads them (an embedding: the gradient of a
         lookup needs only the indices) saves that all-gather; the gradients are
         reduce-scattered as usual. Not recursive."""
-        check_bool("set_unshard_in_backward", "unshard_in_backward", unshard_in_backward)
+        unshard_in_backward = check_bool(
+            "set_unshard_in_backward", "unshard_in_backward", unshard_in_backward
+        )
         for group in self._param_groups(recurse=False):
             group.unshard_in_backward = unshard_in_backward
 
@@ -381,7 +387,7 @@ class FSDPModule(ModuleReadByTorch):
         for group in self._only_group("set_custom_reduce_scatter"):
             group.configure(custom_reduce_scatter=comm)  # refused with compressed gradients
 
-    def set_post_optim_event(self, event: torch.Event) -> None:
+    def set_post_optim_event(self, event: torch.Event | None) -> None:
         """Accelerators: makes the current stream wait for ``event`` (recorded
         after an optimizer step on another stream) before the next forward's
         first copy-in reads the shards; it applies to the whole model. Call it
@@ -389,6 +395,9 @@ class FSDPModule(ModuleReadByTorch):
         read must stay referenced until then (e.g. ``zero_grad()`` after the
         next forward), or their memory may be reused while it runs."""
         comm = self._fsdp_state.root_ctx.comm
+        if event is None:  # no event to wait for (torch's meaning)
+            comm.post_optim_event = None
+            return
         if not comm.uses_streams:
             raise ValueError(
                 "set_post_optim_event needs an accelerator (events and streams); on CPU the "
@@ -436,10 +445,21 @@ class FSDPModule(ModuleReadByTorch):
         )
 
 
-def _check_bools(method: str, **values: object) -> None:
-    """Each boolean argument of a setter is True or False (bool_args.py)."""
-    for name, value in values.items():
-        check_bool(method, name, value)
+def _positive_number(factor: object) -> float:
+    """A divide factor as a float: a Python or numpy number, or a one-element
+    tensor (torch's fully_shard takes those), if positive."""
+    if isinstance(factor, torch.Tensor) and factor.numel() == 1:
+        factor = factor.item()
+    if not isinstance(factor, bool) and isinstance(factor, numbers.Real) and float(factor) > 0:
+        return float(factor)
+    raise ValueError(
+        f"set_gradient_divide_factor expects a positive number or None, got {factor!r}."
+    )
+
+
+def _check_bools(method: str, **values: object) -> tuple[bool, ...]:
+    """The boolean arguments of a setter, in order, as bools (bool_args.py)."""
+    return tuple(check_bool(method, name, value) for name, value in values.items())
 
 
 def _state_of(module: Any, direction: str) -> FSDPState:

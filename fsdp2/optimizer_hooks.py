@@ -28,6 +28,7 @@ from .common import eager_hook
 from .local_step import LocalInitGroup, install_local_step
 from .markers import KEPT_CHUNK, SHARDED
 from .mistakes import check_optimizer
+from .reduction import ReductionPipeline
 
 # On an optimizer: its StepPlan.
 _PLAN = "_fsdp2_step_plan"
@@ -53,6 +54,8 @@ def _sizes(optimizer: torch.optim.Optimizer) -> tuple[int, ...]:
 
 @eager_hook
 def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    if ReductionPipeline.left_in_flight:  # set_is_last_backward(False), then a step
+        ReductionPipeline.finish_left_in_flight()
     plan = optimizer.__dict__.get(_PLAN)
     sizes = _sizes(optimizer)
     if plan is not None and plan.checked and plan.sizes == sizes:

@@ -36,7 +36,8 @@ class MixedPrecisionPolicy:
     def __post_init__(self) -> None:
         for name in ("param_dtype", "reduce_dtype", "output_dtype"):
             _check_dtype(name, getattr(self, name))
-        check_bool("MixedPrecisionPolicy", "cast_forward_inputs", self.cast_forward_inputs)
+        cast = check_bool("MixedPrecisionPolicy", "cast_forward_inputs", self.cast_forward_inputs)
+        object.__setattr__(self, "cast_forward_inputs", cast)  # frozen: torch's meaning, a bool
 
 
 # Spellings of dtypes seen in configs, for the hint of a string given as a dtype.
@@ -93,7 +94,8 @@ class CPUOffloadPolicy(OffloadPolicy):
     pin_memory: bool = True
 
     def __post_init__(self) -> None:
-        check_bool("CPUOffloadPolicy", "pin_memory", self.pin_memory)
+        pin = check_bool("CPUOffloadPolicy", "pin_memory", self.pin_memory)
+        object.__setattr__(self, "pin_memory", pin)  # frozen: torch's meaning, a bool
 
 
 if TYPE_CHECKING:

@@ -20,6 +20,7 @@ pipeline that finishes it.
 
 from __future__ import annotations
 
+import weakref
 from collections import deque
 from collections.abc import Iterable
 from typing import NamedTuple
@@ -43,6 +44,11 @@ class QueuedReduction(NamedTuple):
 
 class ReductionPipeline:
     """The reductions in flight under one root, oldest first."""
+
+    # Pipelines whose last backward left reductions in flight
+    # (set_is_last_backward(False)): an optimizer step finishes them first
+    # (optimizer_hooks.py), so that it steps every gradient, as after torch's.
+    left_in_flight: weakref.WeakSet[ReductionPipeline] = weakref.WeakSet()
 
     def __init__(self, root_ctx: GroupContext) -> None:
         self.root_ctx = root_ctx  # its comm context and order check
@@ -160,14 +166,27 @@ class ReductionPipeline:
                 group.reshard()  # unsharded again after its post-backward, for a recomputation
             group.cancel_unshard()
         if self.is_last_backward:
-            self.finish_reduce_scatters()
-            self.finish_across_replicas()
-            self.finish_hooks()
+            self.finish_all()
+        else:
+            ReductionPipeline.left_in_flight.add(self)
         self.root_ctx.comm.grads_to_host.wait()
         # The last all-gather buffers go now, not at the next forward's copy-in.
         self.root_ctx.comm.release_copied_out()
         for group in groups:
             group.finalize_backward()
+
+    def finish_all(self) -> None:
+        """Waits for every reduction in flight and assigns its gradients."""
+        self.finish_reduce_scatters()
+        self.finish_across_replicas()
+        self.finish_hooks()
+        ReductionPipeline.left_in_flight.discard(self)
+
+    @staticmethod
+    def finish_left_in_flight() -> None:
+        """Before an optimizer step: the reductions a non-last backward left."""
+        for pipeline in list(ReductionPipeline.left_in_flight):
+            pipeline.finish_all()
 
     def reset(self) -> None:
         """Recovery: waits for this root's reductions in flight and drops them."""

@@ -534,6 +534,17 @@ def _last_backward(rank: int, world_size: int, mesh: DeviceMesh) -> None:
             _check_grads(model, ref)
         _step(*optims)
     _check_params(model, ref)
+    # An optimizer step right after a backward that was not the last steps every
+    # gradient, as after torch's: the step finishes what that backward left.
+    batch = global_batch(KIND, 4)
+    mean_loss(ref, *batch).backward()
+    model.set_is_last_backward(False)
+    mean_loss(model, *local_batch(batch, rank, world_size)).backward()
+    assert any(p.grad is None for p in model.parameters()), "nothing was left in flight"
+    _step(*optims)
+    model.set_is_last_backward(True)
+    with labelled("a step after a backward that was not the last"):
+        _check_params(model, ref)
 
 
 def _async_unshard(rank: int, world_size: int, mesh: DeviceMesh) -> None:

@@ -11,6 +11,7 @@ import sys
 import warnings
 from collections.abc import Callable, Iterator
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -668,7 +669,12 @@ def test_reshard_after_forward_int_on_a_mesh_slice_raises(mesh: DeviceMesh) -> N
 # A config value such as "false" is truthy: taken as a bool it would turn the
 # option on. Every boolean argument refuses anything but True and False.
 
-NOT_BOOLS = ["false", 1, 2.5, None, 0]
+# Refused where a flag is expected: torch reads "false" as True; a float or
+# bytes there is a misplaced value. torch's other readings are taken
+# (test_flags_take_torchs_values_with_its_meaning).
+NOT_BOOLS = ["false", 2.5, b"1", 0.0]
+# What torch gives a meaning to in a flag's place: its truth value.
+TORCH_FLAGS = [1, 0, None, np.True_, np.False_, np.int64(1)]
 
 
 def _not_a_bool(where: str, name: str, value: object) -> str:
@@ -744,7 +750,7 @@ BOOL_SETTERS = [
     ("setter", "name"),
     [(setter, name) for setter, names in BOOL_SETTERS for name in names],
 )
-@pytest.mark.parametrize("value", ["false", 1, None], ids=repr)
+@pytest.mark.parametrize("value", ["false", 2.5], ids=repr)
 def test_fsdp_module_setters_take_only_a_bool(
     mesh: DeviceMesh, setter: str, name: str, value: object
 ) -> None:
@@ -754,6 +760,132 @@ def test_fsdp_module_setters_take_only_a_bool(
     kwargs[name] = value
     with pytest.raises(TypeError, match=_not_a_bool(setter, name, value)):
         getattr(model, setter)(**kwargs)
+
+
+def _settings(model: nn.Module) -> dict[str, object]:
+    """What the setters change: the plain fields of the model's state, groups,
+    root context and reduction pipeline."""
+    state = model._fsdp_state  # type: ignore[attr-defined]
+    owners = {"state": state, "root": state.root_ctx, "reductions": state.root_ctx.reductions}
+    owners |= {f"group {i}": group for i, group in enumerate(state.param_groups)}
+    plain = (bool, int, float, str, type(None))
+    return {
+        f"{owner}.{name}": value
+        for owner, obj in owners.items()
+        for name, value in vars(obj).items()
+        if isinstance(value, plain) and name != "call_site"
+    }
+
+
+@pytest.mark.parametrize(
+    ("setter", "name"),
+    [(setter, name) for setter, names in BOOL_SETTERS for name in names],
+)
+@pytest.mark.parametrize("value", TORCH_FLAGS, ids=repr)
+def test_flags_take_torchs_values_with_its_meaning(
+    mesh: DeviceMesh, setter: str, name: str, value: object
+) -> None:
+    """Where torch's setter takes ``value`` (it reads its truth value), fsdp2's
+    takes it with that meaning: the same settings as the bool. torch's
+    set_reshard_after_forward takes only a bool, and so does fsdp2's."""
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    names = dict(BOOL_SETTERS)[setter]
+    kwargs: dict[str, object] = {other: True for other in names}
+    kwargs[name] = value
+    torch_model = torch_fully_shard(MLP(), mesh=mesh)
+    strict = (setter, name) == ("set_reshard_after_forward", "reshard_after_forward")
+    if hasattr(torch_model, setter):
+        if strict:
+            with pytest.raises(ValueError, match="should be a bool"):
+                getattr(torch_model, setter)(**kwargs)
+        else:
+            getattr(torch_model, setter)(**kwargs)  # torch takes it
+    model = fully_shard(MLP(), mesh=mesh)
+    if strict:
+        with pytest.raises(TypeError, match=re.escape(f"{setter}({name}=...) takes True or False")):
+            getattr(model, setter)(**kwargs)
+        return
+    getattr(model, setter)(**kwargs)
+    expected = fully_shard(MLP(), mesh=mesh)
+    getattr(expected, setter)(**kwargs | {name: bool(value)})
+    assert _settings(model) == _settings(expected)
+
+
+@pytest.mark.parametrize("value", TORCH_FLAGS, ids=repr)
+def test_policy_flags_take_torchs_values_with_its_meaning(value: object) -> None:
+    from torch.distributed.fsdp import CPUOffloadPolicy as TorchOffload
+    from torch.distributed.fsdp import MixedPrecisionPolicy as TorchPolicy
+
+    policy = fsdp2.MixedPrecisionPolicy(cast_forward_inputs=value)  # type: ignore[arg-type]
+    assert policy == fsdp2.MixedPrecisionPolicy(cast_forward_inputs=bool(value))
+    offload = fsdp2.CPUOffloadPolicy(pin_memory=value)  # type: ignore[arg-type]
+    assert offload == fsdp2.CPUOffloadPolicy(pin_memory=bool(value))
+    # torch's, as torch builds them, converted with torch's meaning
+    converted = fsdp2.policy.from_torch_policy(TorchPolicy(cast_forward_inputs=value))
+    assert converted == fsdp2.MixedPrecisionPolicy(cast_forward_inputs=bool(value))
+    converted = fsdp2.policy.from_torch_policy(TorchOffload(pin_memory=value))
+    assert converted == fsdp2.CPUOffloadPolicy(pin_memory=bool(value))
+
+
+@pytest.mark.parametrize("value", TORCH_FLAGS, ids=repr)
+def test_fully_shard_flags_take_torchs_values(mesh: DeviceMesh, value: object) -> None:
+    """shard_optimizer_over_replicas (fsdp2's own flag) reads flags as the rest."""
+    hsdp = init_device_mesh("cpu", (2, WORLD_SIZE // 2), mesh_dim_names=("replicate", "shard"))
+    model = fully_shard(MLP(), mesh=hsdp, shard_optimizer_over_replicas=value)  # type: ignore[arg-type]
+    assert model._fsdp_state.param_groups[0].settings.over_replicas is bool(value)
+
+
+def test_divide_factor_takes_torchs_numbers_and_none(mesh: DeviceMesh) -> None:
+    """torch's set_gradient_divide_factor takes numpy numbers and one-element
+    tensors, and None for its default again; fsdp2's too. Zero, negatives and
+    strings are refused (torch fails or trains wrong with them)."""
+    model = fully_shard(MLP(), mesh=mesh)
+    group = model._fsdp_state.param_groups[0]
+    for factor in (np.int64(4), torch.tensor(4.0), 4, 4.0):
+        model.set_gradient_divide_factor(factor)  # type: ignore[arg-type]
+        assert group.gradient_divide_factor == 4.0 and type(group.gradient_divide_factor) is float
+    model.set_gradient_divide_factor(None)
+    assert group.gradient_divide_factor is None
+    for bad in (0, -2.0, "2", True):
+        with pytest.raises(ValueError, match="expects a positive number or None"):
+            model.set_gradient_divide_factor(bad)  # type: ignore[arg-type]
+
+
+def test_none_clears_or_means_nothing_as_in_torch(mesh: DeviceMesh) -> None:
+    """set_all_reduce_hook(None) removes the hook; set_post_optim_event(None) is
+    no event (also on CPU); a CPU stream for the hook is the one CPU stream;
+    torch's DataParallelMeshDims is taken as fsdp2's."""
+    from torch.distributed.fsdp import DataParallelMeshDims as TorchDims
+
+    model = fully_shard(MLP(), mesh=mesh)
+    group = model._fsdp_state.param_groups[0]
+    model.set_all_reduce_hook(lambda output: None, stream=torch.cpu.current_stream())
+    assert group.all_reduce_hook is not None and group.all_reduce_hook_stream is None
+    model.set_all_reduce_hook(None)
+    assert group.all_reduce_hook is None
+    model.set_post_optim_event(None)
+    named = init_device_mesh("cpu", (WORLD_SIZE,), mesh_dim_names=("dp",))
+    spmd = MLP()
+    for module in spmd.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            replicated = DTensor.from_local(param.detach(), named, [Replicate()])
+            setattr(module, name, nn.Parameter(replicated))
+    sharded = fully_shard(spmd, mesh=named, dp_mesh_dims=TorchDims(shard="dp"))
+    assert sharded._fsdp_state.param_groups[0].mesh_info.shard_world_size == WORLD_SIZE
+
+
+def test_ignored_params_as_one_parameter_is_refused(mesh: DeviceMesh) -> None:
+    """torch matches a bare Parameter passed as ignored_params by its elements'
+    values (silently wrong); fsdp2 asks for the set, which it takes as a list
+    or tuple too."""
+    model = MLP()
+    with pytest.raises(TypeError, match=r"takes a set of parameters, got one Parameter of shape"):
+        fully_shard(model, mesh=mesh, ignored_params=model.up.weight)  # type: ignore[arg-type]
+    assert_untouched(model, MLP)
+    listed = MLP()
+    fully_shard(listed, mesh=mesh, ignored_params=[listed.up.weight])  # type: ignore[arg-type]
+    assert not isinstance(listed.up.weight, DTensor) and isinstance(listed.down.weight, DTensor)
 
 
 def test_max_input_buffers_recurse_takes_only_a_bool(mesh: DeviceMesh) -> None:
