@@ -169,7 +169,37 @@ def _check_same_params(model: nn.Module, torch_model: nn.Module, same_types: boo
         assert_close(_plain(ours), _plain(other), **EXACT, msg=lambda m, n=name: f"{n}: {m}")
 
 
-def _torchao_training(rank: int, world_size: int) -> None:
+def _mx_checkpoint_round_trip(models: tuple[nn.Module, nn.Module], path: str, mp: dict) -> None:
+    """fsdp2's trained MX model through DCP into a fresh one, as torchtitan
+    saves and resumes: the loaded parameters are the trained ones, torch's
+    fully_shard's too, bit for bit, and still MX training weights."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    dcp.save(get_model_state_dict(models[0]), checkpoint_id=path)
+    fresh = _shard(
+        _mx_model(False), fsdp2.fully_shard, mp_policy=fsdp2.MixedPrecisionPolicy(**mp)
+    )
+    with torch.no_grad():
+        for param in fresh.parameters():
+            param.zero_()  # nothing of the fresh initialisation can pass for the loaded
+    state = get_model_state_dict(fresh)
+    from torchao.prototype.moe_training.config import MXFP8TrainingOpConfig
+    from torchao.prototype.mx_formats.config import KernelPreference, ScaleCalculationMode
+
+    wrapper = type(fresh[0].weight.to_local())
+    # DCP's weights-only unpickler refuses a tensor subclass and the config it
+    # carries unless told about them (under torch's fully_shard too): torch's
+    # documented allow-list.
+    allowed = [wrapper, MXFP8TrainingOpConfig, KernelPreference, ScaleCalculationMode]
+    with torch.serialization.safe_globals(allowed):
+        dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(fresh, state)
+    _check_same_params(fresh, models[0])
+    _check_same_params(fresh, models[1])
+
+
+def _torchao_training(rank: int, world_size: int, checkpoints: str) -> None:
     warnings.filterwarnings("ignore")  # torchao's import-time notices, once per rank
     with labelled("int8 quantized training"):
         models = (
@@ -214,6 +244,8 @@ def _torchao_training(rank: int, world_size: int) -> None:
             gathers = _train_both(rank, models, 32, batch=32)  # mxfp8 blocks: 32 rows
             assert {dtype for seen in gathers for dtype, _ in seen} == {torch.bfloat16}, gathers
             _check_same_params(*models)
+            if not wgrad_with_hp:
+                _mx_checkpoint_round_trip(models, f"{checkpoints}/mx", mp)
     with labelled("NF4 base weights with adapters (QLoRA)"):
         models = (_shard(_nf4_model(), fsdp2.fully_shard), _shard(_nf4_model(), torch_fully_shard))
         _train_both(rank, models, 2 * DIM)
@@ -232,4 +264,4 @@ def test_torchao_weights_train_like_torch_fully_shard(tmp_path: Path) -> None:
     gloo, which torch's fully_shard cannot do), MX training (mxfp8, wgrad in
     mxfp8 or bf16) and NF4 frozen weights with adapters train exactly like
     torch's fully_shard on the same data."""
-    run_ranks(_torchao_training, WORLD_SIZE, tmp_path)
+    run_ranks(_torchao_training, WORLD_SIZE, tmp_path, str(tmp_path))
