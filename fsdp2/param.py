@@ -100,6 +100,8 @@ class FSDPParam:
         )
         self.sharded_param.__dict__[SHARDED] = layout
         self._unsharded_padded: torch.Tensor | None = None
+        # Its storage and full size, kept: every unshard and reshard resizes it.
+        self._padded_storage: tuple[torch.UntypedStorage, int] | None = None
         # (unsharded_padded, world size, its rank-major view): a view stays valid
         # across the storage's frees and reallocations.
         self._rank_major: tuple[torch.Tensor, int, torch.Tensor] | None = None
@@ -157,6 +159,7 @@ class FSDPParam:
             self._init_dtypes(param.dtype)
             # Rebuilt in the new dtype at the next unshard.
             self._unsharded_padded = None
+            self._padded_storage = None
             self.unsharded_param = None
             self._grad_spec = None
         local = local_tensor(param)
@@ -325,8 +328,12 @@ class FSDPParam:
         """
         if self._unsharded_padded is None:
             layout = self.layout
-            self._unsharded_padded = torch.empty(
+            padded = self._unsharded_padded = torch.empty(
                 layout.padded_unsharded_size, dtype=self.param_dtype, device=self.device
+            )
+            self._padded_storage = (
+                padded.untyped_storage(),
+                padded.numel() * padded.element_size(),
             )
             dim = layout.shard_dim
             data = self._unsharded_padded.narrow(dim, 0, layout.unsharded_size[dim]).data
@@ -335,8 +342,7 @@ class FSDPParam:
                 data = dtensor_from_local_no_grad(data, spec)
             self.unsharded_param = nn.Parameter(data, requires_grad=self.requires_grad)
         else:
-            storage = self._unsharded_padded.untyped_storage()
-            nbytes = self._unsharded_padded.numel() * self._unsharded_padded.element_size()
+            storage, nbytes = self._padded_storage  # type: ignore[misc]
             if storage.size() != nbytes:
                 storage.resize_(nbytes)
         return self._unsharded_padded
@@ -347,18 +353,12 @@ class FSDPParam:
         self.alloc_unsharded().copy_(local_tensor(self.sharded_param))
 
     def free_unsharded(self) -> None:
-        if self._unsharded_padded is not None:
-            self._unsharded_padded.untyped_storage().resize_(0)
+        if self._padded_storage is not None:
+            self._padded_storage[0].resize_(0)
         if self.extension is not None:
             self.extension.free()
 
     # -- module registration ----------------------------------------------
-
-    def to_sharded(self) -> None:
-        self._set_on_modules(self.sharded_param)
-
-    def to_unsharded(self) -> None:
-        self._set_on_modules(self.unsharded_param)
 
     def _set_on_modules(self, param: nn.Parameter | None) -> None:
         for module, name in self.registrations:

@@ -39,7 +39,7 @@ from .execution_order import ExecutionOrderCheck
 from .log import logger
 from .param import FSDPParam
 from .post_backward import PostBackwardCount
-from .private_api import outside_functorch, profiled
+from .private_api import module_parameters, outside_functorch, profiled
 from .reduce_scatter import ReduceInFlight
 from .sharded_grads import GroupGrads
 from .version import versions
@@ -117,6 +117,14 @@ class FSDPParamGroup:
         # CPU offload, whose grads go to pinned host memory.
         offload = any(p.offload for p in fsdp_params)
         self.sharded_grads: GroupGrads | None = None if offload else GroupGrads()
+        # Where each parameter sits on the modules (tied ones on several), as
+        # (the module's parameter dict, name, index in fsdp_params): unshard
+        # and reshard swap them all, twice a step.
+        self._module_slots = [
+            (module_parameters(r.module), r.name, i)
+            for i, p in enumerate(fsdp_params)
+            for r in p.registrations
+        ]
 
     def configure(self, **changes: object) -> None:
         """Changes the communication settings (``CommSettings``' fields) and
@@ -225,8 +233,7 @@ class FSDPParamGroup:
                 fsdp_param.copy_whole()
         self._all_gather = None
         self._post_forward_shard = None
-        for fsdp_param in self.fsdp_params:
-            fsdp_param.to_unsharded()
+        self._put_on_modules([p.unsharded_param for p in self.fsdp_params])
         logger.debug("%s: unsharded", self.name)
         self.sharded_state = ShardedState.UNSHARDED
 
@@ -277,9 +284,14 @@ class FSDPParamGroup:
         self.clear_divide_plan()  # the reduce dtype may have changed
 
     def _to_sharded(self) -> None:
+        self._put_on_modules([p.sharded_param for p in self.fsdp_params])
         for fsdp_param in self.fsdp_params:
-            fsdp_param.to_sharded()
             fsdp_param.free_unsharded()
+
+    def _put_on_modules(self, params: list[nn.Parameter | None]) -> None:
+        """``params[i]`` (one per ``fsdp_params[i]``) where that parameter sits."""
+        for module_params, name, index in self._module_slots:
+            module_params[name] = params[index]
 
     # -- forward ----------------------------------------------------------
 

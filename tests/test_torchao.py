@@ -177,9 +177,7 @@ def _mx_checkpoint_round_trip(models: tuple[nn.Module, nn.Module], path: str, mp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
     dcp.save(get_model_state_dict(models[0]), checkpoint_id=path)
-    fresh = _shard(
-        _mx_model(False), fsdp2.fully_shard, mp_policy=fsdp2.MixedPrecisionPolicy(**mp)
-    )
+    fresh = _shard(_mx_model(False), fsdp2.fully_shard, mp_policy=fsdp2.MixedPrecisionPolicy(**mp))
     with torch.no_grad():
         for param in fresh.parameters():
             param.zero_()  # nothing of the fresh initialisation can pass for the loaded
