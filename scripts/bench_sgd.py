@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import socket
 import statistics
 import time
 
@@ -59,12 +60,18 @@ def build(params: int, shard: bool) -> nn.Module:
     return model
 
 
-def main() -> None:
+def _free_port() -> str:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return str(probe.getsockname()[1])
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--params", type=int, default=1024)
     parser.add_argument("--rounds", type=int, default=7)
-    args = parser.parse_args()
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29552", RANK="0", WORLD_SIZE="1")
+    args = parser.parse_args(argv)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=_free_port(), RANK="0", WORLD_SIZE="1")
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     models = {"plain": build(args.params, False), "fsdp2": build(args.params, True)}

@@ -5,6 +5,7 @@ contender's step is split into its phases and CPU times). Timings themselves
 are never asserted."""
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import bench  # noqa: E402
 import bench_host  # noqa: E402
 import bench_import  # noqa: E402
 import bench_pp  # noqa: E402
+import bench_sgd  # noqa: E402
 
 
 @pytest.mark.distributed
@@ -120,3 +122,22 @@ def test_bench_import_runs_and_reports(capsys: pytest.CaptureFixture) -> None:
     assert all(seconds > 0 for seconds in result["median_s"].values())
     assert result["dynamo_imported"] == {"torch": False, "fsdp2": False}
     assert "import time, median of 1 fresh processes" in capsys.readouterr().out
+
+
+def test_bench_sgd_runs_and_reports() -> None:
+    """scripts/bench_sgd.py on 32 tensors, 3 rounds (in its own process: it
+    starts a process group): a row per SGD variant, with both times."""
+    script = Path(__file__).resolve().parent.parent / "scripts" / "bench_sgd.py"
+    out = subprocess.run(
+        [sys.executable, str(script), "--params", "32", "--rounds", "3"],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    ).stdout
+    rows = [line for line in out.splitlines() if line.startswith("| ") and "(ms)" not in line]
+    rows = [row for row in rows if not row.startswith("| ---")]
+    assert [row.split(" | ")[0].removeprefix("| ") for row in rows] == list(bench_sgd.VARIANTS), out
+    for row in rows:
+        plain, ours, ratio = (float(cell) for cell in row.strip(" |").split(" | ")[1:])
+        assert plain > 0 and ours > 0 and ratio > 0, row
