@@ -450,7 +450,7 @@ def _positive_number(factor: object) -> float:
     tensor (torch's fully_shard takes those), if positive."""
     if isinstance(factor, torch.Tensor) and factor.numel() == 1:
         factor = factor.item()
-    if not isinstance(factor, bool) and isinstance(factor, numbers.Real) and float(factor) > 0:
+    if isinstance(factor, numbers.Real) and float(factor) > 0:  # True: 1, as torch reads it
         return float(factor)
     raise ValueError(
         f"set_gradient_divide_factor expects a positive number or None, got {factor!r}."

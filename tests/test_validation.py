@@ -669,12 +669,12 @@ def test_reshard_after_forward_int_on_a_mesh_slice_raises(mesh: DeviceMesh) -> N
 # A config value such as "false" is truthy: taken as a bool it would turn the
 # option on. Every boolean argument refuses anything but True and False.
 
-# Refused where a flag is expected: torch reads "false" as True; a float or
-# bytes there is a misplaced value. torch's other readings are taken
-# (test_flags_take_torchs_values_with_its_meaning).
-NOT_BOOLS = ["false", 2.5, b"1", 0.0]
+# Refused where a flag is expected: torch reads "false" (and b"") as True or
+# False by length, not by what it says; a list there is a misplaced value.
+# torch's other readings are taken (test_flags_take_torchs_values_with_its_meaning).
+NOT_BOOLS = ["false", b"1", [1]]
 # What torch gives a meaning to in a flag's place: its truth value.
-TORCH_FLAGS = [1, 0, None, np.True_, np.False_, np.int64(1)]
+TORCH_FLAGS = [1, 0, None, np.True_, np.False_, np.int64(1), 0.0, 2.5]
 
 
 def _not_a_bool(where: str, name: str, value: object) -> str:
@@ -750,7 +750,7 @@ BOOL_SETTERS = [
     ("setter", "name"),
     [(setter, name) for setter, names in BOOL_SETTERS for name in names],
 )
-@pytest.mark.parametrize("value", ["false", 2.5], ids=repr)
+@pytest.mark.parametrize("value", ["false", b"1"], ids=repr)
 def test_fsdp_module_setters_take_only_a_bool(
     mesh: DeviceMesh, setter: str, name: str, value: object
 ) -> None:
@@ -847,7 +847,9 @@ def test_divide_factor_takes_torchs_numbers_and_none(mesh: DeviceMesh) -> None:
         assert group.gradient_divide_factor == 4.0 and type(group.gradient_divide_factor) is float
     model.set_gradient_divide_factor(None)
     assert group.gradient_divide_factor is None
-    for bad in (0, -2.0, "2", True):
+    model.set_gradient_divide_factor(True)  # type: ignore[arg-type]  (torch reads it as 1)
+    assert group.gradient_divide_factor == 1.0
+    for bad in (0, -2.0, "2"):
         with pytest.raises(ValueError, match="expects a positive number or None"):
             model.set_gradient_divide_factor(bad)  # type: ignore[arg-type]
 
