@@ -47,7 +47,9 @@ class FSDPModule(ModuleReadByTorch):
         """A new module of a generated ``FSDP<Name>`` class (e.g. ``model[:2]`` of a
         sharded ``nn.Sequential``, which builds ``type(model)(...)``) is a plain
         ``<Name>``: it went through no ``fully_shard`` call, so it has no state."""
-        orig_cls = next(c for c in cls.__mro__[1:] if not issubclass(c, FSDPModule))
+        orig_cls = next(
+            c for c in cls.__mro__[1:] if issubclass(c, nn.Module) and not issubclass(c, FSDPModule)
+        )
         module = orig_cls.__new__(orig_cls)
         orig_cls.__init__(module, *args, **kwargs)
         return module
