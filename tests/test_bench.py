@@ -106,10 +106,15 @@ def test_bench_pp_runs_and_reports(tmp_path: Path, capsys: pytest.CaptureFixture
     fsdp2_peak = {
         name: row["peak_mib_pp0"] for name, row in rows.items() if name.startswith("fsdp2")
     }
+    # At this size the peak is set by activations and communication buffers,
+    # and which small buffers are alive at it depends on when gloo's async work
+    # finishes (one CI run saw 448 bytes more with True); a block's unsharded parameters
+    # (4 KiB per 32 x 32 weight) would be well above that.
+    slack = 1 / 1024  # MiB: 1 KiB
     assert (
         fsdp2_peak["fsdp2, reshard_after_forward=True"]
-        <= fsdp2_peak["fsdp2, reshard_after_forward=False"]
-    )
+        <= fsdp2_peak["fsdp2, reshard_after_forward=False"] + slack
+    ), fsdp2_peak
     assert "trains wrong" in capsys.readouterr().out
 
 
