@@ -32,6 +32,7 @@ from .mesh import (
     resolve_mesh,
     spmd_mesh_info,
 )
+from .module import original_class
 from .param_checks import (
     check_all_gather_extension,
     check_param_over_replicas,
@@ -215,7 +216,7 @@ def check_module(module: nn.Module) -> None:
 def _already_sharded(module: nn.Module) -> str:
     """For messages: which sharded module, and the user's call that sharded it."""
     state = module.__dict__["_fsdp_state"]
-    cls = type(module).__bases__[-1]  # FSDP<Name> derives from (FSDPModule, <Name>)
+    cls = original_class(type(module))
     named = ""
     if state.is_root is not None:  # the root's lazy init named its groups
         names = {group.name for group in state.param_groups}

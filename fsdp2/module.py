@@ -47,9 +47,7 @@ class FSDPModule(ModuleReadByTorch):
         """A new module of a generated ``FSDP<Name>`` class (e.g. ``model[:2]`` of a
         sharded ``nn.Sequential``, which builds ``type(model)(...)``) is a plain
         ``<Name>``: it went through no ``fully_shard`` call, so it has no state."""
-        orig_cls = next(
-            c for c in cls.__mro__[1:] if issubclass(c, nn.Module) and not issubclass(c, FSDPModule)
-        )
+        orig_cls = original_class(cls)
         module = orig_cls.__new__(orig_cls)
         orig_cls.__init__(module, *args, **kwargs)
         return module
@@ -445,6 +443,14 @@ class FSDPModule(ModuleReadByTorch):
             "copy would share process groups and hooks with the original. Build a new model "
             "and load model.state_dict() into it instead."
         )
+
+
+def original_class(cls: type) -> Any:
+    """The user's class behind a generated ``FSDP<Name>`` class (or a subclass
+    of one): the first ``nn.Module`` class in its MRO that is not fsdp2's."""
+    return next(
+        c for c in cls.__mro__[1:] if issubclass(c, nn.Module) and not issubclass(c, FSDPModule)
+    )
 
 
 def _positive_number(factor: object) -> float:
