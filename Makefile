@@ -3,6 +3,9 @@ PY := $(VENV)/bin/python
 # torch first, pinned: on these machines 2.13.0 is a local CPU wheel, while a bare
 # `torch` or an open range would pull a multi-GB CUDA build.
 TORCH_PIN := torch==2.13.0
+# RL post-training on FSDP2 (tests/test_verl.py), without its dependencies: the ones
+# its FSDP code imports are pinned in pyproject's dev extras.
+VERL_PIN := verl==0.9.1
 
 .PHONY: setup test test-fast demo bench bench-host gpu-check lint format clean
 
@@ -12,6 +15,7 @@ $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check $(TORCH_PIN)
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev,demo]'
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps $(VERL_PIN)
 	touch $@
 
 test: setup

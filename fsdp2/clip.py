@@ -146,17 +146,20 @@ def scale(
             foreach_mul_(same, device_coef)
 
 
-def group_by_mesh(grads: list[torch.Tensor]) -> dict[_GroupKey, list[torch.Tensor]]:
+def group_by_mesh(
+    grads: list[torch.Tensor], buffers: bool = True
+) -> dict[_GroupKey, list[torch.Tensor]]:
     """The gradients' local tensors by (mesh, sharded axes). Insertion order
     follows the gradients, the same on every rank, so the groups' all-reduces
-    pair up across ranks.
+    pair up across ranks. ``buffers``: a group's gradients that fsdp2 keeps in
+    one buffer go in as that buffer (one norm for them; False: one per gradient,
+    as torch's clipping takes them).
 
     Raises:
         UnsupportedPlacement: if a gradient is placed other than ``Shard`` or
             ``Replicate``.
     """
-    # A group's grads that fsdp2 keeps in one buffer go in as that buffer.
-    whole = whole_buffers(grads)
+    whole = whole_buffers(grads) if buffers else {}
     specs = dtensor_specs(grads)
     if specs:
         # Usually every gradient has one mesh and one placement: two counts
@@ -245,18 +248,28 @@ def _combined_norm(
         value = _local_norm(locals_, norm_type, foreach).to(dtype)
         if not math.isinf(norm_type):
             value = value**norm_type
-        if mesh is not None and sharded_axes:
-            value = value.to(_mesh_device(mesh))
-            op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
-            for axis in sharded_axes:
-                group = collectives_for(mesh.get_group(axis), mesh.device_type, _role(mesh, axis))
-                with naming_failures("all-reduce of the gradients' norm (clip_grad_norm_)", group):
-                    group.all_reduce(value, op)
-        per_group.append(value.to(device))
+        per_group.append(reduce_over_shards(value, mesh, sharded_axes, norm_type).to(device))
     stacked = torch.stack(per_group)
     if math.isinf(norm_type):
         return stacked.max()
     return stacked.sum() ** (1.0 / norm_type)
+
+
+def reduce_over_shards(
+    value: torch.Tensor, mesh: DeviceMesh | None, sharded_axes: tuple[int, ...], norm_type: float
+) -> torch.Tensor:
+    """``value`` (local sums of ``|g|^p``, or maxima of ``|g|`` for the inf norm)
+    summed (maxed) over the mesh axes that shard its gradients, in place where
+    it is on the mesh's device."""
+    if mesh is None or not sharded_axes:
+        return value
+    value = value.to(_mesh_device(mesh))
+    op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
+    for axis in sharded_axes:
+        group = collectives_for(mesh.get_group(axis), mesh.device_type, _role(mesh, axis))
+        with naming_failures("all-reduce of the gradients' norm (clip_grad_norm_)", group):
+            group.all_reduce(value, op)
+    return value
 
 
 def _local_norm(

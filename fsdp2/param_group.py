@@ -79,6 +79,11 @@ class FSDPParamGroup:
         self.mesh_info = mesh_info
         self.root_ctx = root_ctx  # replaced by the root's context at lazy init
         self.reshard_after_forward = reshard_after_forward
+        # False when the user chose to keep the parameters (reshard_after_forward=False,
+        # or a setter): a forward without grad keeps them then too, as torch's does (a
+        # generate loop all-gathers once). The root's automatic False (lazy init) stays
+        # True here: without grad no backward follows to need them.
+        self.reshard_after_no_grad_forward = reshard_after_forward
         # Set: after forward, keep a shard over this smaller group instead.
         self.post_forward_mesh_info = post_forward_mesh_info if self.sharded_params else None
         self.reshard_after_backward = True
@@ -318,8 +323,7 @@ class FSDPParamGroup:
     def post_forward(self) -> None:
         if self.held_for_weight_grads:
             pass  # a split backward's weight half needs them: [Note: split backward]
-        elif not torch.is_grad_enabled():
-            # No backward follows a forward without grad: nothing to keep unsharded for.
+        elif not torch.is_grad_enabled() and self.reshard_after_no_grad_forward:
             self.reshard()
         elif self.post_forward_mesh_info is not None:
             self._reshard_post_forward()

@@ -148,7 +148,9 @@ class ShardedGrads:
         params = [p.sharded_param for p in self.fsdp_params]
         grads = [p.grad for p in params]
         if self._ours(grads):
-            self.flat.add_(output)
+            # Cast, then add, as torch's accumulation rounds (the reduction cast to
+            # the parameters' dtype, then added in it): the same bits as torch's.
+            self.flat.add_(output.to(self.flat.dtype))
         elif all(g is None for g in grads):
             if self._held_elsewhere():
                 return False

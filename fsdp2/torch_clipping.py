@@ -22,6 +22,7 @@ what it replaces.
 from __future__ import annotations
 
 import functools
+import math
 import operator
 from collections.abc import Iterable
 from types import ModuleType
@@ -35,8 +36,8 @@ from .clip import (
     _IS_GRAD,
     UnsupportedPlacement,
     group_by_mesh,
+    reduce_over_shards,
     scale,
-    total_norm,
     with_buffers,
 )
 from .private_api import clip_grad_norm_helpers, dtensor_specs, local_tensor, locals_in_place
@@ -62,14 +63,13 @@ def clip_grad_norm_(
     several times a plain one's)."""
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     grads = list(filter(_IS_GRAD, map(_GRAD, params)))
-    found = _total_norm(grads, norm_type, error_if_nonfinite, foreach)
-    if found is None:
+    total = _total_norm(grads, norm_type, error_if_nonfinite, foreach)
+    if total is None:
         # An exhausted generator still is one: torch's warns that nothing is clipped.
         return _TORCH_CLIP_GRAD_NORM(
             params or parameters, max_norm, norm_type, error_if_nonfinite, foreach
         )
-    total, groups = found
-    scale([t for locals_ in groups.values() for t in locals_], max_norm, total, foreach)
+    _scale(grads, max_norm, total, foreach)
     return _like_torchs(total, grads[0])
 
 
@@ -82,10 +82,10 @@ def get_total_norm(
 ) -> torch.Tensor:
     """``torch.nn.utils.get_total_norm``, from the local tensors of DTensors."""
     tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
-    found = _total_norm(tensors, norm_type, error_if_nonfinite, foreach)
-    if found is None:
+    total = _total_norm(tensors, norm_type, error_if_nonfinite, foreach)
+    if total is None:
         return _TORCH_TOTAL_NORM(tensors, norm_type, error_if_nonfinite, foreach)
-    return _like_torchs(found[0], tensors[0])
+    return _like_torchs(total, tensors[0])
 
 
 @torch.no_grad()
@@ -113,21 +113,65 @@ def clip_grads_with_norm_(
 
 def _total_norm(
     tensors: list[torch.Tensor], norm_type: float, error_if_nonfinite: bool, foreach: bool | None
-) -> tuple[torch.Tensor, dict[Any, list[torch.Tensor]]] | None:
+) -> torch.Tensor | None:
     """The total norm, a plain tensor the same on every rank in the dtype
-    torch's would have, and the local tensors it was taken from (by
-    ``group_by_mesh``); None for what torch's own should compute (no DTensor,
+    torch's would have; None for what torch's own should compute (no DTensor,
     a placement other than Shard or Replicate, a norm_type not positive)."""
     norm_type = float(norm_type)
     if not (norm_type > 0 and any(isinstance(t, DTensor) for t in tensors)):
         return None
     try:
-        groups = group_by_mesh(tensors)
+        groups = group_by_mesh(tensors, buffers=False)
     except UnsupportedPlacement:
         return None
-    total = total_norm(groups, norm_type, foreach, tensors[0].device, error_if_nonfinite)
+    total = _torchs_total(groups, norm_type, foreach, tensors[0].device)
+    if error_if_nonfinite and not torch.isfinite(total).item():
+        raise RuntimeError(
+            f"clip_grad_norm_: the total {norm_type}-norm of the gradients is {total.item()}, "
+            "so clipping would make them NaN or zero. Pass error_if_nonfinite=False to clip "
+            "anyway, or find the parameter whose gradient is not finite."
+        )
     # torch's norm has the dtype its per-tensor norms promote to.
-    return total.to(functools.reduce(torch.promote_types, set(map(_DTYPE, tensors)))), groups
+    return total.to(functools.reduce(torch.promote_types, set(map(_DTYPE, tensors))))
+
+
+def _torchs_total(
+    groups: dict[Any, list[torch.Tensor]],
+    norm_type: float,
+    foreach: bool | None,
+    device: torch.device,
+) -> torch.Tensor:
+    """The total norm as torch's computes it on DTensors, to the last bit: each
+    gradient's norm is its local norm reduced over the ranks that shard it (a
+    DTensor's partial norm made whole: ``**p``, sum, ``**(1/p)``), and the total
+    is the norm of those norms, stacked in the gradients' order by dtype. Here a
+    group's norms are reduced together, one all-reduce per dtype and mesh axis
+    where torch's makes one per gradient. torch takes each norm in a loop on
+    DTensors (its multi-tensor kernels do not take them) unless told
+    ``foreach=True``."""
+    infinite = math.isinf(norm_type)
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for (mesh, sharded_axes), locals_ in groups.items():
+        for dtype in dict.fromkeys(map(_DTYPE, locals_)):
+            same = [t for t in locals_ if t.dtype == dtype]
+            if foreach:
+                norms = list(torch._foreach_norm(same, norm_type))
+            else:  # the inf norm of an empty shard is its peers' (max has no identity)
+                norms = [
+                    torch.linalg.vector_norm(t, norm_type) if t.numel() or not infinite
+                    else t.new_zeros(())
+                    for t in same
+                ]
+            local = torch.stack(norms)
+            if not infinite:
+                local = local**norm_type
+            whole = reduce_over_shards(local, mesh, sharded_axes, norm_type)
+            if not infinite:
+                whole = whole ** (1.0 / norm_type)
+            by_dtype.setdefault(dtype, []).append(whole.to(device))
+    return torch.linalg.vector_norm(
+        torch.cat([norms for per_dtype in by_dtype.values() for norms in per_dtype]), norm_type
+    )
 
 
 def _scale(

@@ -205,6 +205,7 @@ class ParamGroupView:
         group = self._group
         if value is None or value == self.mesh_info:
             group.reshard_after_forward = value is not None
+            group.reshard_after_no_grad_forward = value is not None
             group.post_forward_mesh_info = None
         elif value != self.post_forward_mesh_info:
             raise NotImplementedError(
