@@ -7,6 +7,10 @@ is a dictionary lookup, free for parameters that carry none.
   hooks tell it from a plain one, and a piece sharded over replicas).
 - ``SHARDED_AS``: an original parameter that ``fully_shard`` replaced, with
   where, a ``ShardedAs`` (a later call, or an optimizer holding it, is refused).
+- ``UNSHARDED``: an unsharded parameter fsdp2 registers on a module between
+  unshard and reshard, with the sharded parameter's name (an optimizer built
+  while the model was unsharded holds it: refused, its storage is freed at
+  reshard).
 - ``IGNORED``: passed as ``ignored_params``: plain on purpose.
 - ``DATA_PARALLEL``: the ``MeshInfo`` a sharded parameter is sharded over
   (set at lazy init, for the optimizer check).
@@ -20,6 +24,7 @@ is a dictionary lookup, free for parameters that carry none.
 
 SHARDED = "_fsdp2_sharded"
 SHARDED_AS = "_fsdp2_sharded_as"
+UNSHARDED = "_fsdp2_unsharded"
 IGNORED = "_fsdp2_ignored"
 DATA_PARALLEL = "_fsdp2_data_parallel"
 KEPT_CHUNK = "_fsdp2_kept_chunk"

@@ -27,7 +27,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from .common import MeshInfo, device_from_mesh
-from .markers import DATA_PARALLEL, IGNORED, SHARDED, SHARDED_AS
+from .markers import DATA_PARALLEL, IGNORED, SHARDED, SHARDED_AS, UNSHARDED
 from .private_api import unseen_by_dispatch_modes
 from .same_model import check_same_model, checksums, data_parallel_size, differ, some
 from .timeouts import naming_failures
@@ -58,6 +58,7 @@ def check_optimizer(optimizer: torch.optim.Optimizer) -> bool:
     yet)."""
     named = _named_params(optimizer)
     _refuse_replaced(named)
+    _refuse_unsharded(named)
     sharded = [p for _, p in named if p.__dict__.get(SHARDED)]
     plain = [
         (name, p)
@@ -102,6 +103,23 @@ def _refuse_replaced(named: list[tuple[str, torch.Tensor]]) -> None:
             "model no longer uses, so training would change nothing. Build the optimizer after "
             "fully_shard: fully_shard each block, then the root, then "
             "torch.optim.AdamW(model.parameters())."
+        )
+
+
+def _refuse_unsharded(named: list[tuple[str, torch.Tensor]]) -> None:
+    unsharded = [
+        name if name.startswith("'") else repr(fqn)
+        for name, p in named
+        if (fqn := p.__dict__.get(UNSHARDED)) is not None
+    ]
+    if unsharded:
+        raise RuntimeError(
+            f"fsdp2: the optimizer holds {len(unsharded)} unsharded parameters: "
+            f"{some(unsharded)}. It was built while their modules were unsharded (after a "
+            "forward with reshard_after_forward=False, or between unshard() and reshard()); "
+            "their storage is freed at reshard, so it would step memory the model no longer "
+            "has. Build the optimizer while the model is sharded: right after fully_shard, "
+            "or after calling reshard() on each FSDPModule."
         )
 
 

@@ -15,7 +15,7 @@ from .common import MeshInfo
 from .device_ops import DeviceOps
 from .extension import AllGatherExtension, uses_all_gather_extension
 from .layout import ShardLayout, TPLayout
-from .markers import SHARDED
+from .markers import SHARDED, UNSHARDED
 from .offload import HostCopy, copy_to_host
 from .policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from .private_api import (
@@ -315,6 +315,7 @@ class FSDPParam:
                 self.unsharded_param,
                 self.requires_grad,
             )
+            self.unsharded_param.__dict__[UNSHARDED] = self.fqn
 
     def alloc_unsharded(self) -> torch.Tensor:
         """Returns the padded unsharded tensor, its storage (re)allocated.
@@ -341,6 +342,7 @@ class FSDPParam:
                 spec = dtensor_spec(tp.mesh, tp.placements, layout.orig_size, self.param_dtype)
                 data = dtensor_from_local_no_grad(data, spec)
             self.unsharded_param = nn.Parameter(data, requires_grad=self.requires_grad)
+            self.unsharded_param.__dict__[UNSHARDED] = self.fqn
         else:
             storage, nbytes = self._padded_storage  # type: ignore[misc]
             if storage.size() != nbytes:

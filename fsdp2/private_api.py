@@ -38,44 +38,6 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 _T = TypeVar("_T")
 
-__all__ = [
-    "chunk_cat_",
-    "run_as_collective",
-    "unseen_by_dispatch_modes",
-    "concatenate_meshes",
-    "flatten_axes",
-    "dtensor_from_local_no_grad",
-    "dtensor_spec",
-    "dtensor_spec_of",
-    "DTensorSpec",
-    "foreach_copy_",
-    "module_parameters",
-    "post_accumulate_grad_hooks",
-    "in_backward",
-    "in_compiled_autograd",
-    "never_a_compiled_frame",
-    "local_tensor",
-    "set_local_tensor",
-    "profiled",
-    "mark_composable_api",
-    "functorch_transforms_active",
-    "group_timeout",
-    "backend_default_timeout",
-    "set_group_timeout",
-    "outside_functorch",
-    "premul_sum",
-    "queue_backward_callback",
-    "shards_tensor",
-    "is_strided_shard",
-    "redistribute_logger",
-    "step_local_tensors",
-    "dtensor_specs",
-    "locals_in_place",
-    "strided_shard",
-    "tensors_in",
-    "map_tensors",
-]
-
 
 def queue_backward_callback(callback: Callable[[], None]) -> None:
     """Runs ``callback`` once the autograd engine finishes the current backward.
@@ -297,6 +259,17 @@ def foreach_mul_(tensors: list[torch.Tensor], factor: torch.Tensor) -> None:
     alternative is one ``mul_`` per gradient.
     """
     torch._foreach_mul_(tensors, factor)
+
+
+def foreach_norm(tensors: list[torch.Tensor], norm_type: float) -> list[torch.Tensor]:
+    """Each of ``tensors``' ``norm_type``-norm, in one multi-tensor call.
+
+    Why private: gradient clipping's per-gradient norms, as
+    ``torch.nn.utils.get_total_norm`` takes them, but returned one per tensor
+    (that function returns only their total); the public alternative is one
+    ``torch.linalg.vector_norm`` per gradient.
+    """
+    return list(torch._foreach_norm(tensors, norm_type))
 
 
 def post_accumulate_grad_hooks(param: torch.Tensor) -> list[Callable]:

@@ -40,7 +40,13 @@ from .clip import (
     scale,
     with_buffers,
 )
-from .private_api import clip_grad_norm_helpers, dtensor_specs, local_tensor, locals_in_place
+from .private_api import (
+    clip_grad_norm_helpers,
+    dtensor_specs,
+    foreach_norm,
+    local_tensor,
+    locals_in_place,
+)
 from .sharded_grads import whole_buffers
 
 # torch's, bound at import (before any routing), for what is not routed.
@@ -148,20 +154,20 @@ def _torchs_total(
     group's norms are reduced together, one all-reduce per dtype and mesh axis
     where torch's makes one per gradient. torch takes each norm in a loop on
     DTensors (its multi-tensor kernels do not take them) unless told
-    ``foreach=True``."""
+    ``foreach=True``; on the CPU the multi-tensor norm runs that same kernel
+    per tensor (the same bits, a sixth of the time of a Python loop), so it is
+    taken there too."""
     infinite = math.isinf(norm_type)
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for (mesh, sharded_axes), locals_ in groups.items():
         for dtype in dict.fromkeys(map(_DTYPE, locals_)):
             same = [t for t in locals_ if t.dtype == dtype]
-            if foreach:
-                norms = list(torch._foreach_norm(same, norm_type))
-            else:  # the inf norm of an empty shard is its peers' (max has no identity)
-                norms = [
-                    torch.linalg.vector_norm(t, norm_type) if t.numel() or not infinite
-                    else t.new_zeros(())
-                    for t in same
-                ]
+            if infinite:  # an empty shard's is its peers' (max has no identity)
+                same = [t if t.numel() else t.new_zeros(1) for t in same]
+            if foreach or (foreach is None and same[0].device.type == "cpu"):
+                norms = foreach_norm(same, norm_type)
+            else:
+                norms = [torch.linalg.vector_norm(t, norm_type) for t in same]
             local = torch.stack(norms)
             if not infinite:
                 local = local**norm_type

@@ -33,6 +33,7 @@ from models import (
     unsharded_bytes,
 )
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard as torch_fully_shard  # the reference only
 from torch.distributed.tensor import DTensor
 from torch.testing import assert_close
 from torch.testing._internal.distributed._tensor.common_dtensor import Transformer
@@ -274,11 +275,54 @@ def _inference(rank: int, world_size: int, mesh: DeviceMesh, kind: str) -> None:
         _check_inference(model, ref, inputs)
 
 
+def _plain_params(model: nn.Module) -> set[str]:
+    return {name for name, p in model.named_parameters() if not isinstance(p, DTensor)}
+
+
+def _inference_keeping_blocks(rank: int, world_size: int, mesh: DeviceMesh) -> None:
+    kind = "transformer_tied"
+    ref, model, theirs = build_model(kind), build_model(kind), build_model(kind)
+    for sharded, shard in ((model, fsdp2.fully_shard), (theirs, torch_fully_shard)):
+        for layer in sharded.layers:
+            shard(layer, mesh=mesh, reshard_after_forward=False)
+        shard(sharded, mesh=mesh)  # the root: reshard_after_forward's automatic False
+    blocks = {name for name, _ in model.named_parameters() if name.startswith("layers.")}
+    inputs = local_batch(global_batch(kind, 100), rank, world_size)[0]
+    n_groups = len(list(_groups(model)))
+    for call in range(2):
+        with torch.no_grad(), count_collectives() as counts:
+            output = model(inputs)
+        with torch.no_grad():
+            assert_close(output, ref(inputs), **REF_TOL)
+            theirs(inputs)
+        # The blocks keep what they were asked to keep, as torch's do: the
+        # second call all-gathers the root only.
+        assert counts.all_gathers == (n_groups if call == 0 else 1), (call, counts)
+        assert _plain_params(model) == blocks, (call, _plain_params(model) ^ blocks)
+        assert blocks <= _plain_params(theirs), call
+    # An optimizer built now would hold the blocks' unsharded parameters,
+    # whose storage the next reshard frees: refused at its first step.
+    built_unsharded = make_optimizer(model)
+    batch = global_batch(kind, 0)
+    mean_loss(model, *local_batch(batch, rank, world_size)).backward()
+    _check_all_resharded(model, "after backward")
+    with pytest.raises(RuntimeError, match=r"optimizer holds \d+ unsharded parameters: 'layers"):
+        built_unsharded.step()
+    model.zero_grad()
+    optims = [make_optimizer(m) for m in (ref, model)]
+    ref_loss = _train_step(ref, optims[0], batch)
+    loss = _train_step(model, optims[1], local_batch(batch, rank, world_size))
+    assert_close(global_mean(loss, world_size), ref_loss, **REF_TOL)
+    _check_all_resharded(model, "after a training step")
+
+
 def _inference_all_kinds(rank: int, world_size: int) -> None:
     mesh = init_device_mesh("cpu", (world_size,))
     for kind in ("mlp", "transformer_tied"):
         with labelled(kind):
             _inference(rank, world_size, mesh, kind)
+    with labelled("blocks with reshard_after_forward=False"):
+        _inference_keeping_blocks(rank, world_size, mesh)
 
 
 @pytest.mark.parametrize("world_size", [WORLD_SIZE])
@@ -286,7 +330,12 @@ def test_inference(world_size: int, tmp_path: Path) -> None:
     """model.eval() + torch.no_grad(): the output equals the reference's on the
     same local input, before and after training; each group is all-gathered once,
     nothing is reduce-scattered, and afterwards every group (the root included)
-    is sharded with no unsharded storage."""
+    is sharded with no unsharded storage. Blocks given reshard_after_forward=False
+    keep their parameters unsharded after a forward without grad, as torch's
+    fully_shard does (a second call all-gathers the root only: its automatic
+    False does not keep them when no backward follows); an optimizer built
+    while they are unsharded is refused at its first step (it would step freed
+    storage); one built after backward trains as the reference."""
     run_ranks(_inference_all_kinds, world_size, tmp_path)
 
 

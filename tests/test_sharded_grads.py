@@ -4,7 +4,8 @@ and nothing a user can see changes.
 The reference is torch's fully_shard on the same model and data, driven
 through the same sequence: after every backward each fsdp2 grad equals torch's
 bit for bit, through ``zero_grad()`` to None and to zeros, accumulation across
-backwards, a grad the user keeps past ``zero_grad()`` (its values stay its
+backwards (also of bf16 parameters reduced in fp32, where the rounding of the
+sum is torch's), a grad the user keeps past ``zero_grad()`` (its values stay its
 own), a grad the user assigns, and ``register_post_accumulate_grad_hook``.
 Then what the reuse is for: the grads are the same DTensors at every step, a
 dropped buffer holds no memory through forward, and the ops fsdp2 adds to a
@@ -15,6 +16,7 @@ against the plain model's).
 from __future__ import annotations
 
 import collections
+import functools
 import weakref
 from pathlib import Path
 
@@ -23,6 +25,7 @@ import torch
 import torch.nn as nn
 from dist import run_ranks
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard  # the reference only
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -161,6 +164,26 @@ def _sharded_grads(rank: int, world_size: int) -> None:
 
     backwards = 7
     assert hook_calls == {"mine": backwards, "theirs": backwards}, hook_calls
+
+    # bf16 parameters reduced in fp32, accumulated over two backwards: each
+    # reduction is cast to bf16 and then added, as torch's rounds it.
+    mine = _shard(
+        _build(2).bfloat16(),
+        functools.partial(
+            fsdp2.fully_shard, mp_policy=fsdp2.MixedPrecisionPolicy(reduce_dtype=torch.float32)
+        ),
+        mesh,
+    )
+    theirs = _shard(
+        _build(2).bfloat16(),
+        functools.partial(
+            torch_fully_shard, mp_policy=TorchMixedPrecisionPolicy(reduce_dtype=torch.float32)
+        ),
+        mesh,
+    )
+    for x in batches[:2]:
+        backward(x.bfloat16())
+    _same(mine, theirs, "bf16 grads reduced in fp32, accumulated over two backwards")
 
     # The ops fsdp2 adds to a step: per group, not per parameter.
     x = batches[7]

@@ -869,6 +869,7 @@ class DTensorOps(TorchDispatchMode):
 
 def _torchs_clipping_routed(rank: int, world_size: int, mesh: DeviceMesh) -> None:
     from torch.nn.utils import clip_grad_norm_ as bound_before_the_install
+    from torch.nn.utils import get_total_norm as torchs_total_norm
 
     ref, model = build_model(KIND), build_model(KIND)
     shard_model(model, mesh=mesh)
@@ -888,12 +889,15 @@ def _torchs_clipping_routed(rank: int, world_size: int, mesh: DeviceMesh) -> Non
 
     def clip_and_check(step: int) -> None:
         ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
+        theirs = torchs_total_norm([p.grad for p in model.parameters() if p.grad is not None])
         with DTensorOps() as ops:
             norm = clips[step](model.parameters())
         assert ops.count == 0, f"step {step}: {ops.count} ops on DTensors"
         assert isinstance(norm, DTensor) and norm.placements == (Replicate(),), norm
         assert ref_norm > 2 * max_norm, f"step {step}: {ref_norm} does not clip much"
         assert_close(norm.full_tensor(), ref_norm, **REF_TOL)
+        # torch's own on the same DTensor gradients, to the last bit.
+        assert torch.equal(norm.full_tensor(), theirs.full_tensor()), (norm, theirs)
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # this module holds torch's fully_shard (the reference)
@@ -906,6 +910,7 @@ def _torchs_clipping_routed(rank: int, world_size: int, mesh: DeviceMesh) -> Non
         norm = torch.nn.utils.get_total_norm([bf16], 3.0)
         assert norm.dtype == torch.bfloat16
         assert_close(norm.full_tensor(), torch.linalg.vector_norm(full.bfloat16(), 3.0))
+        assert torch.equal(norm.full_tensor(), torchs_total_norm([bf16], 3.0).full_tensor())
         # A Partial gradient is left to torch's own, which reduces it.
         partial = DTensor.from_local(full * (rank + 1), mesh, [Partial()])
         with DTensorOps() as ops:
@@ -1001,7 +1006,8 @@ def test_frozen_tied_ignored_params_and_clipping(world_size: int, tmp_path: Path
     local norms: torch.nn.utils.clip_grad_norm_, the same function bound
     before the install, and torchtitan's get_total_norm + clip_grads_with_norm_
     run no op on a DTensor and return a Replicate DTensor of the reference's
-    norm; bf16 gradients give a bf16 norm, as torch's; a Partial gradient is
+    norm, bit for bit torch's own on the same gradients; bf16 gradients give a
+    bf16 norm, as torch's; a Partial gradient is
     left to torch's own. Clipping takes a group's gradients as their one
     buffer when all of them are given (fewer tensors normed than parameters),
     per gradient when one is missing or one is given twice, the norms and the
