@@ -226,13 +226,19 @@ def total_norm(
     ``group_by_mesh``): one all-reduce per group and sharded mesh axis, the
     result the same on every rank, on ``device``."""
     total = _combined_norm(groups, norm_type, foreach, device)
-    if error_if_nonfinite and not torch.isfinite(total).item():
+    if error_if_nonfinite:
+        check_finite(total, norm_type)
+    return total
+
+
+def check_finite(total: torch.Tensor, norm_type: float) -> None:
+    """Raises if the total norm is not finite (``error_if_nonfinite=True``)."""
+    if not torch.isfinite(total).item():
         raise RuntimeError(
             f"clip_grad_norm_: the total {norm_type}-norm of the gradients is {total.item()}, "
             "so clipping would make them NaN or zero. Pass error_if_nonfinite=False to clip "
             "anyway, or find the parameter whose gradient is not finite."
         )
-    return total
 
 
 def _combined_norm(

@@ -117,9 +117,9 @@ def _refuse_unsharded(named: list[tuple[str, torch.Tensor]]) -> None:
             f"fsdp2: the optimizer holds {len(unsharded)} unsharded parameters: "
             f"{some(unsharded)}. It was built while their modules were unsharded (after a "
             "forward with reshard_after_forward=False, or between unshard() and reshard()); "
-            "their storage is freed at reshard, so it would step memory the model no longer "
-            "has. Build the optimizer while the model is sharded: right after fully_shard, "
-            "or after calling reshard() on each FSDPModule."
+            "the model trains its sharded parameters, and these are freed at reshard, so "
+            "training would change nothing. Build the optimizer while the model is sharded: "
+            "right after fully_shard, or after calling reshard() on each FSDPModule."
         )
 
 

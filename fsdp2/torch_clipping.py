@@ -35,6 +35,7 @@ from .clip import (
     _GRAD,
     _IS_GRAD,
     UnsupportedPlacement,
+    check_finite,
     group_by_mesh,
     reduce_over_shards,
     scale,
@@ -131,12 +132,8 @@ def _total_norm(
     except UnsupportedPlacement:
         return None
     total = _torchs_total(groups, norm_type, foreach, tensors[0].device)
-    if error_if_nonfinite and not torch.isfinite(total).item():
-        raise RuntimeError(
-            f"clip_grad_norm_: the total {norm_type}-norm of the gradients is {total.item()}, "
-            "so clipping would make them NaN or zero. Pass error_if_nonfinite=False to clip "
-            "anyway, or find the parameter whose gradient is not finite."
-        )
+    if error_if_nonfinite:
+        check_finite(total, norm_type)
     # torch's norm has the dtype its per-tensor norms promote to.
     return total.to(functools.reduce(torch.promote_types, set(map(_DTYPE, tensors))))
 
@@ -150,8 +147,9 @@ def _torchs_total(
     """The total norm as torch's computes it on DTensors, to the last bit: each
     gradient's norm is its local norm reduced over the ranks that shard it (a
     DTensor's partial norm made whole: ``**p``, sum, ``**(1/p)``), and the total
-    is the norm of those norms, stacked in the gradients' order by dtype. Here a
-    group's norms are reduced together, one all-reduce per dtype and mesh axis
+    is the norm of those norms, stacked by dtype in the gradients' order (group
+    by group where they differ in mesh or sharded axes). Here a group's norms
+    are reduced together, one all-reduce per dtype and mesh axis
     where torch's makes one per gradient. torch takes each norm in a loop on
     DTensors (its multi-tensor kernels do not take them) unless told
     ``foreach=True``; on the CPU the multi-tensor norm runs that same kernel

@@ -283,7 +283,8 @@ def _run_refill(rank: int) -> None:
     """After a step, an optimizer's lists are read again from where its own
     ``_init_group`` took them (local_step._Refill), without running it, until
     something it would see differently: a state loaded anew, a gradient
-    missing. Every step equals torch's fully_shard's."""
+    missing; a model.to() that gives the parameters new local tensors is
+    stepped through them. Every step equals torch's fully_shard's."""
     for label, make in (
         ("AdamW", lambda ps: torch.optim.AdamW(ps, lr=0.01, foreach=True)),
         ("SGD", lambda ps: torch.optim.SGD(ps, lr=0.01, momentum=0.9, foreach=True)),
@@ -322,11 +323,27 @@ def _run_refill(rank: int) -> None:
         # again) run the optimizer's own.
         expected = ([1] if label == "SGD" else []) + [2, 4, 5]
         assert calls == expected, f"{label}: _init_group ran at steps {calls}"
+        # model.to() through nn.Module._apply gives each parameter a new local
+        # tensor (rounded through fp16 here): the next steps step the new ones,
+        # as torch's fully_shard does (stepping the old ones would leave the
+        # parameters as converted).
+        for model in (ours, theirs):
+            model.to(torch.float16).to(torch.float32)
+        converted = [p.to_local().clone() for p in ours.blocks.parameters()]
+        for step in (6, 7):
+            for model, optim in zip((ours, theirs), optims, strict=True):
+                model(_batch(rank, step)).backward()
+                optim.step()
+                optim.zero_grad()
+            for param, their_param in zip(ours.parameters(), theirs.parameters(), strict=True):
+                _check_same_tensor(param, their_param, f"{label} after model.to(), step {step}")
+        stepped = [p.to_local() for p in ours.blocks.parameters()]
+        assert not any(map(torch.equal, stepped, converted)), label
         # No state entry is made per parameter per step (SGD writes its buffers
         # back under the local tensors' keys: those entries are made ahead).
         optim = optims[0]
         optim.state = _MissCounting(dict, optim.state)
-        ours(_batch(rank, 6)).backward()
+        ours(_batch(rank, 8)).backward()
         optim.step()
         assert optim.state.misses == 0, f"{label}: {optim.state.misses} state entries made"
         assert set(optim.state) == set(ours.blocks.parameters()), label

@@ -262,6 +262,11 @@ def _backward(
             mean_loss(model, inputs, targets).backward()
         model.reset_iter_state()
         return
+    if name == "reshard_after_forward=False":
+        # A forward without grad keeps the blocks' parameters (as torch's does):
+        # the training forward below computes with them, no all-gather between.
+        with torch.no_grad():
+            model(inputs)
     loss = mean_loss(model, inputs, targets)
     run.all_gather_buffers_after_forward.append(all_gather_buffers(run.streams))
     if name == "optimizer on a side stream":
