@@ -90,12 +90,18 @@ def _named_params(optimizer: torch.optim.Optimizer) -> list[tuple[str, torch.Ten
     return named
 
 
-def _refuse_replaced(named: list[tuple[str, torch.Tensor]]) -> None:
-    replaced = [
-        name if name.startswith("'") else str(owner)  # the optimizer's name, else where it went
+def _holding(named: list[tuple[str, torch.Tensor]], marker: str) -> list[str]:
+    """The optimizer's parameters that carry ``marker``, each by the optimizer's
+    name for it, else by what the marker says (where it went, its name)."""
+    return [
+        name if name.startswith("'") else (repr(value) if isinstance(value, str) else str(value))
         for name, p in named
-        if (owner := p.__dict__.get(SHARDED_AS)) is not None
+        if (value := p.__dict__.get(marker)) is not None
     ]
+
+
+def _refuse_replaced(named: list[tuple[str, torch.Tensor]]) -> None:
+    replaced = _holding(named, SHARDED_AS)
     if replaced:
         raise RuntimeError(
             f"fsdp2: the optimizer holds {len(replaced)} parameters that fully_shard replaced "
@@ -107,11 +113,7 @@ def _refuse_replaced(named: list[tuple[str, torch.Tensor]]) -> None:
 
 
 def _refuse_unsharded(named: list[tuple[str, torch.Tensor]]) -> None:
-    unsharded = [
-        name if name.startswith("'") else repr(fqn)
-        for name, p in named
-        if (fqn := p.__dict__.get(UNSHARDED)) is not None
-    ]
+    unsharded = _holding(named, UNSHARDED)
     if unsharded:
         raise RuntimeError(
             f"fsdp2: the optimizer holds {len(unsharded)} unsharded parameters: "

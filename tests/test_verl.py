@@ -245,12 +245,18 @@ SCENARIOS: dict[str, Callable[[Any, Any], dict]] = {
 }
 
 
-def _verl_utilities(rank: int, world_size: int, implementation: str, out_dir: Path) -> None:
+def _verl_under(implementation: str) -> None:
+    """In a fresh rank, before verl is imported: fsdp2 under torch's names (for
+    "fsdp2"; verl binds them at its import), and the CPU as verl's device."""
     if implementation == "fsdp2":
-        fsdp2.install_as_torch_fsdp()  # before verl binds torch's names
+        fsdp2.install_as_torch_fsdp()
     import verl_cpu
 
     verl_cpu.use()
+
+
+def _verl_utilities(rank: int, world_size: int, implementation: str, out_dir: Path) -> None:
+    _verl_under(implementation)
     from torch.distributed.device_mesh import init_device_mesh
     from verl.utils import fsdp_utils
 
@@ -489,11 +495,7 @@ ENGINE_SCENARIOS: dict[str, Callable[[Path, Path], dict]] = {
 def _verl_engine(rank: int, world_size: int, implementation: str, out_dir: Path) -> None:
     import os
 
-    if implementation == "fsdp2":
-        fsdp2.install_as_torch_fsdp()  # before verl binds torch's names
-    import verl_cpu
-
-    verl_cpu.use()
+    _verl_under(implementation)
     # What verl's Worker reads of its launcher (the process group already exists).
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="localhost", MASTER_PORT="0"
