@@ -6,10 +6,11 @@ On DTensor gradients torch's functions run every op through DTensor: one
 norm per gradient wrapped in a DTensor, a ``torch.stack`` of them (whose
 sharding propagation grows faster than the gradient count), and a
 multiplication dispatched per list: 2-3x the time of the same call on plain
-tensors. The functions here do what ``fsdp2.clip_grad_norm_`` does (norms of
-the local tensors, one all-reduce per mesh and sharded axis, the scaling on
-the local tensors) and give back what torch's give: the total norm in the
-gradients' promoted dtype, a DTensor when the first gradient is one
+tensors. The functions here compute torch's norm from the local tensors, to
+the last bit (each gradient's norm made whole over the ranks that shard it,
+one all-reduce for a group's norms, then the norm of norms: ``_torchs_total``),
+scale the local tensors as ``fsdp2.clip_grad_norm_`` does, and give back what
+torch's give: the total norm in the gradients' promoted dtype, a DTensor when the first gradient is one
 (``Replicate``: already the total on every rank, so ``.full_tensor()`` is free),
 a plain tensor otherwise. Anything they do not take (no DTensor among the
 tensors, a ``Partial`` gradient, a ``norm_type`` that is not positive) goes
