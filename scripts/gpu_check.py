@@ -22,6 +22,8 @@ it also runs at that world size. Each world, in this order:
   CPU offload and int8 compression (against the unsharded model only); and
   the collectives fsdp2 issued
   (``comm_stats``): none may be skipped;
+- torch's clipping as ``install_as_torch_fsdp()`` routes it: its total norm
+  bit for bit torch's own on the same DTensor gradients (fp32 and bf16);
 - all of that parity training under torch's CUDA sanitizer
   (``torch.cuda._sanitizer``): its reports of unsynchronized accesses between
   streams, 0 expected; then a deliberate race (the all-gather's wait
@@ -439,6 +441,33 @@ def parity(world: World, streams: StreamCheck, case: str) -> list[Row]:
     return rows
 
 
+def routed_clipping(world: World) -> list[Row]:
+    """torch's ``get_total_norm`` as ``install_as_torch_fsdp()`` routes it, against
+    torch's own on the same DTensor gradients: the same bits (fp32 and bf16
+    gradients; on CUDA the per-gradient norms are a loop, as torch's are)."""
+    from fsdp2.torch_clipping import get_total_norm as routed
+
+    rows = []
+    for dtype in (torch.float32, torch.bfloat16):
+        setting = world.setting
+        model = shard(build(setting, world.device).to(dtype), fsdp2.fully_shard, world.forced)
+        inputs, targets = batch(setting, 0, world.rank, world.device)
+        logits = model(inputs)
+        F.cross_entropy(logits.float().flatten(0, 1), targets.flatten()).backward()
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        ours, theirs = routed(grads).full_tensor(), torch.nn.utils.get_total_norm(grads)
+        theirs = theirs.full_tensor() if isinstance(theirs, DTensor) else theirs
+        rows.append(
+            check(
+                f"{world.label} routed clipping's norm, {str(dtype).removeprefix('torch.')} "
+                "grads: torch's bits",
+                f"{ours.item():.9g} vs {theirs.item():.9g}",
+                torch.equal(ours, theirs),
+            )
+        )
+    return rows
+
+
 def deliberate_race(world: World) -> Row:
     """One wait skipped (the copy-out does not wait for the all-gather): the
     stream check must report it."""
@@ -593,6 +622,7 @@ def run_world(world: World, trace_dir: Path) -> list[Row]:
     streams = StreamCheck(world.setting)
     for case in PARITY_CASES:
         rows += attempt(world, case, parity, streams, case)
+    rows += attempt(world, "routed clipping", routed_clipping)
     checker = "model of streams" if world.setting.rehearse else "CUDA sanitizer"
     rows.append(
         check(
