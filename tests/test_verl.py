@@ -63,16 +63,16 @@ def _tokens(step: int, micro: int, rank: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (MICRO_BATCH, SEQ), generator=generator)
 
 
-def _fsdp_kwargs(mesh: Any, mixed: bool = True) -> dict[str, Any]:
-    """What verl's FSDPEngine passes to every fully_shard call (transformer_impl.py
-    464-469): offload_policy None unless offload is configured."""
+def _fsdp_kwargs(mesh: Any) -> dict[str, Any]:
+    """What verl's FSDPEngine passes to every fully_shard call by default
+    (transformer_impl.py 464-469): bf16 compute, fp32 reduction, offload_policy
+    None unless offload is configured."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    param_dtype = torch.bfloat16 if mixed else torch.float32
     return {
         "mesh": mesh,
         "mp_policy": MixedPrecisionPolicy(
-            param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=True
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=True
         ),
         "offload_policy": None,
         "reshard_after_forward": True,
