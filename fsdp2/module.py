@@ -99,10 +99,7 @@ class FSDPModule(ModuleReadByTorch):
             state = module._fsdp_state
             state.reshard_after_forward_arg = reshard_after_forward
             for group in state.param_groups:
-                group.reshard_after_forward = reshard_after_forward
-                group.reshard_after_no_grad_forward = reshard_after_forward
-                if not reshard_after_forward:
-                    group.post_forward_mesh_info = None
+                group.choose_reshard_after_forward(reshard_after_forward)
 
     def set_reshard_after_backward(
         self, reshard_after_backward: bool, *, recurse: bool = True

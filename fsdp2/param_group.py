@@ -320,6 +320,14 @@ class FSDPParamGroup:
         self.unshard()
         self.wait_for_unshard()
 
+    def choose_reshard_after_forward(self, reshard: bool) -> None:
+        """The user's choice after fully_shard (``set_reshard_after_forward``, or
+        torch's encoding of it set by a client): True or False, also without grad;
+        a smaller group is chosen in fully_shard only."""
+        self.reshard_after_forward = self.reshard_after_no_grad_forward = reshard
+        if not reshard:
+            self.post_forward_mesh_info = None
+
     def post_forward(self) -> None:
         if self.held_for_weight_grads:
             pass  # a split backward's weight half needs them: [Note: split backward]

@@ -204,9 +204,8 @@ class ParamGroupView:
     def post_forward_mesh_info(self, value: Any) -> None:  # verl/utils/fsdp_utils.py:849
         group = self._group
         if value is None or value == self.mesh_info:
-            group.reshard_after_forward = value is not None
-            group.reshard_after_no_grad_forward = value is not None
-            group.post_forward_mesh_info = None
+            group.choose_reshard_after_forward(value is not None)
+            group.post_forward_mesh_info = None  # torch's encoding: not a smaller group
         elif value != self.post_forward_mesh_info:
             raise NotImplementedError(
                 "fsdp2: a param group's post_forward_mesh_info can be set to its own "
