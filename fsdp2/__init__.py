@@ -3,16 +3,16 @@
 The public API mirrors ``torch.distributed.fsdp.fully_shard``.
 """
 
-from .clip import clip_grad_norm_
-from .custom_comm import AllGather, Comm, ReduceScatter
-from .fully_shard import fully_shard
-from .mesh import DataParallelMeshDims, ShardPlacementResult
-from .module import FSDPModule, UnshardHandle, register_fsdp_forward_method, share_comm_ctx
-from .policy import CompressionPolicy, CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from .stats import CommStats
-from .summary import GroupSummary, Summary, comm_stats, summary
-from .torch_names import TorchFSDPNames, install_as_torch_fsdp
-from .version import __version__
+from .api.fully_shard import fully_shard
+from .api.mesh import DataParallelMeshDims, ShardPlacementResult
+from .api.module import FSDPModule, UnshardHandle, register_fsdp_forward_method, share_comm_ctx
+from .api.summary import GroupSummary, Summary, comm_stats, summary
+from .api.torch_names import TorchFSDPNames, install_as_torch_fsdp
+from .base.policy import CompressionPolicy, CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from .base.version import __version__
+from .comm.custom_comm import AllGather, Comm, ReduceScatter
+from .comm.stats import CommStats
+from .optim.clip import clip_grad_norm_
 
 __all__ = [
     "__version__",

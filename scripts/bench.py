@@ -201,7 +201,7 @@ def replaced(wrap) -> Iterator[None]:
     the ``all_gather`` and ``reduce_scatter`` of fsdp2's collectives (torch's
     and gloo's, fsdp2/primitives.py) by ``wrap(name, original)`` while active;
     ``name`` is torch's, the original takes torch's arguments."""
-    from fsdp2.primitives import Collectives, GlooCollectives
+    from fsdp2.comm.primitives import Collectives, GlooCollectives
 
     with contextlib.ExitStack() as stack:
         for name in ("all_gather_single", "reduce_scatter_single"):
@@ -346,7 +346,7 @@ def worker(rank: int, args: argparse.Namespace, store: str, result_path: str) ->
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
     import fsdp2
-    from fsdp2.primitives import Collectives, GlooCollectives
+    from fsdp2.comm.primitives import Collectives, GlooCollectives
 
     mesh = init_device_mesh("cpu", (args.world_size,))
     bf16 = args.mp == "bf16"

@@ -73,8 +73,8 @@ import torch.nn as nn
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import fsdp2  # noqa: E402
-from fsdp2.torch_clipping import route_torch_clipping  # noqa: E402
-from fsdp2.torch_names import TorchFSDPNames  # noqa: E402
+from fsdp2.api.torch_names import TorchFSDPNames  # noqa: E402
+from fsdp2.optim.torch_clipping import route_torch_clipping  # noqa: E402
 
 GROUPS = 16
 DIM = 8

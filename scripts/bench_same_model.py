@@ -26,8 +26,8 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import fsdp2
-import fsdp2.mistakes
-import fsdp2.same_model
+import fsdp2.checks.mistakes
+import fsdp2.checks.same_model
 
 
 def build(dim: int, layers: int) -> nn.Sequential:
@@ -42,7 +42,7 @@ def build(dim: int, layers: int) -> nn.Sequential:
 
 def _run(with_check: bool, args: argparse.Namespace, mesh, x: torch.Tensor) -> dict[str, float]:
     shard_module = sys.modules["fsdp2.fully_shard"]  # the module, not the function
-    remember, check = shard_module.remember, fsdp2.mistakes.check_same_model
+    remember, check = shard_module.remember, fsdp2.checks.mistakes.check_same_model
     checked = [0.0]
     reduces = [0]
 
@@ -55,10 +55,10 @@ def _run(with_check: bool, args: argparse.Namespace, mesh, x: torch.Tensor) -> d
         reduces[0] += 1
         max_over(rows, collectives)
 
-    max_over = fsdp2.same_model._max_over
+    max_over = fsdp2.checks.same_model._max_over
     shard_module.remember = remember if with_check else (lambda *_: None)
-    fsdp2.mistakes.check_same_model = timed_check if with_check else (lambda *_: None)
-    fsdp2.same_model._max_over = counted
+    fsdp2.checks.mistakes.check_same_model = timed_check if with_check else (lambda *_: None)
+    fsdp2.checks.same_model._max_over = counted
     kwargs = {"mesh": mesh, "shard_optimizer_over_replicas": args.hsdp}
     try:
         model = build(args.dim, args.layers)
@@ -89,8 +89,8 @@ def _run(with_check: bool, args: argparse.Namespace, mesh, x: torch.Tensor) -> d
         }
     finally:
         shard_module.remember = remember
-        fsdp2.mistakes.check_same_model = check
-        fsdp2.same_model._max_over = max_over
+        fsdp2.checks.mistakes.check_same_model = check
+        fsdp2.checks.same_model._max_over = max_over
 
 
 def _worker(rank: int, world: int, store: str, out: str, args: argparse.Namespace) -> None:

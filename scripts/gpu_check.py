@@ -2,7 +2,7 @@
 
 Made for a machine with ONE GPU (a few minutes in all): at world size 1 the
 engine is told to issue its collectives all the same
-(``fsdp2.check_switches.force_one_rank_collectives``, a switch for checks), so the comm streams, the events, the copy-in stream,
+(``fsdp2.api.check_switches.force_one_rank_collectives``, a switch for checks), so the comm streams, the events, the copy-in stream,
 NCCL's ``AVG``, the CPU-offload copies and an HSDP (1, 1) all-reduce run (a
 one-rank communicator copies rather than runs kernels). With 2 GPUs or more
 it also runs at that world size. Each world, in this order:
@@ -74,10 +74,10 @@ sys.path.insert(0, str(ROOT))
 from llama import Llama, LlamaConfig  # noqa: E402
 
 import fsdp2  # noqa: E402
-from fsdp2.check_switches import force_one_rank_collectives  # noqa: E402
-from fsdp2.comm import InFlight  # noqa: E402
-from fsdp2.primitives import collectives_for  # noqa: E402
-from fsdp2.private_api import premul_sum  # noqa: E402
+from fsdp2.api.check_switches import force_one_rank_collectives  # noqa: E402
+from fsdp2.base.private_api import premul_sum  # noqa: E402
+from fsdp2.comm.context import InFlight  # noqa: E402
+from fsdp2.comm.primitives import collectives_for  # noqa: E402
 
 GPU_CONFIG = LlamaConfig(vocab_size=512, dim=256, n_layers=4, n_heads=4, max_seq_len=128)
 # Step time, memory and the profile: large enough that kernels, not Python, take the time.
@@ -445,7 +445,7 @@ def routed_clipping(world: World) -> list[Row]:
     """torch's ``get_total_norm`` as ``install_as_torch_fsdp()`` routes it, against
     torch's own on the same DTensor gradients: the same bits (fp32 and bf16
     gradients; on CUDA the per-gradient norms are a loop, as torch's are)."""
-    from fsdp2.torch_clipping import get_total_norm as routed
+    from fsdp2.optim.torch_clipping import get_total_norm as routed
 
     rows = []
     for dtype in (torch.float32, torch.bfloat16):

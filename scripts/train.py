@@ -409,7 +409,7 @@ def peak_memory_bytes(device: torch.device) -> int:
     return rss if sys.platform == "darwin" else rss * 1024  # Linux reports KiB
 
 
-def comm_bytes(steps: list[dict[str, fsdp2.stats.GroupStats]]) -> dict[str, int]:
+def comm_bytes(steps: list[dict[str, fsdp2.comm.stats.GroupStats]]) -> dict[str, int]:
     """Bytes of fsdp2's all-gathers, reduce-scatters and all-reduces, summed over groups."""
     kinds = ("all_gather", "reduce_scatter", "all_reduce")
     return {
@@ -418,7 +418,7 @@ def comm_bytes(steps: list[dict[str, fsdp2.stats.GroupStats]]) -> dict[str, int]
     }
 
 
-def exposed_comm_seconds(steps: list[dict[str, fsdp2.stats.GroupStats]]) -> float:
+def exposed_comm_seconds(steps: list[dict[str, fsdp2.comm.stats.GroupStats]]) -> float:
     """Time the training thread waited for fsdp2 collectives, summed over groups."""
     return sum(
         group.all_gather.wait_seconds + group.reduce_scatter.wait_seconds

@@ -213,7 +213,7 @@ def wrapped_collectives(method: str, wrap: Callable[[Callable], Callable]) -> It
     """Replaces ``method`` ("all_gather", "reduce_scatter" or "all_reduce") of
     fsdp2's collectives, torch's and gloo's (fsdp2/primitives.py), with
     ``wrap(original)`` while active, in this process."""
-    from fsdp2.primitives import Collectives, GlooCollectives
+    from fsdp2.comm.primitives import Collectives, GlooCollectives
 
     classes = (Collectives, GlooCollectives)
     originals = [getattr(cls, method) for cls in classes]

@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from fsdp2.primitives import Collectives, GlooCollectives
+from fsdp2.comm.primitives import Collectives, GlooCollectives
 
 ENV = "FSDP2_TEST_REDUCTION"
 

@@ -39,7 +39,7 @@ from torch.testing import assert_close
 from torch.testing._internal.distributed._tensor.common_dtensor import Transformer
 
 import fsdp2
-from fsdp2.common import ShardedState
+from fsdp2.engine.states import ShardedState
 
 pytestmark = pytest.mark.distributed
 

@@ -41,7 +41,7 @@ from torch.testing import assert_close
 from torch.testing._internal.distributed._tensor.common_dtensor import Transformer
 
 import fsdp2
-from fsdp2.common import EAGER_HOOK_REASON
+from fsdp2.engine.states import EAGER_HOOK_REASON
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 import llama  # noqa: E402

@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from torch.distributed.device_mesh import init_device_mesh
 
 from fsdp2 import CompressionPolicy, fully_shard
-from fsdp2.all_gather import Int8AllGather
-from fsdp2.wire import (
+from fsdp2.comm.all_gather import Int8AllGather
+from fsdp2.comm.wire import (
     NONFINITE_CODE,
     dequantize_blockwise,
     dequantize_rows,

@@ -22,9 +22,9 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import _get_gradient_
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fsdp2
-import fsdp2.primitives
-from fsdp2.divide import DividePlan, divide_plan
-from fsdp2.primitives import backend_for
+import fsdp2.comm.primitives
+from fsdp2.comm.divide import DividePlan, divide_plan
+from fsdp2.comm.primitives import backend_for
 
 SUM, AVG = dist.ReduceOp.SUM, dist.ReduceOp.AVG
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -163,7 +163,7 @@ def _backward_ops(
 ) -> tuple[list, list, int]:
     """One backward of the MLP on a fake world whose backend reads as
     ``backend``: the reduce-scatters' ops, the all-reduces' ops, the divisions."""
-    monkeypatch.setattr(fsdp2.primitives, "backend_for", lambda group, device_type: backend)
+    monkeypatch.setattr(fsdp2.comm.primitives, "backend_for", lambda group, device_type: backend)
     all_reduces: list = []
     all_reduce = dist.all_reduce
 
@@ -237,7 +237,7 @@ def test_all_reduce_hook_sees_what_torchs_would(
     """With set_force_sum_reduction_for_comms on NCCL the reduction divides
     after its collectives: the all-reduce hook runs before that division, as
     torch's fully_shard runs it."""
-    monkeypatch.setattr(fsdp2.primitives, "backend_for", lambda group, device_type: backend)
+    monkeypatch.setattr(fsdp2.comm.primitives, "backend_for", lambda group, device_type: backend)
     log: list[str] = []
 
     class Log(TorchDispatchMode):
@@ -317,7 +317,7 @@ def test_premul_sum_before_torch_2_13(monkeypatch: pytest.MonkeyPatch) -> None:
     """torch before 2.13 (the GPU machine's 2.11): ``ReduceOp.PREMUL_SUM`` is a
     plain member, not callable; the op then comes from ``_make_nccl_premul_sum``,
     with the same factor."""
-    from fsdp2.private_api import premul_sum
+    from fsdp2.base.private_api import premul_sum
 
     class ReduceOpBefore213:
         PREMUL_SUM = "PREMUL_SUM"  # a member: calling it would raise

@@ -61,7 +61,7 @@ def test_wrong_guess_is_dropped_off_the_compute_stream() -> None:
     the buffer's bytes return, waits for it before the buffer goes."""
     from stream_model import FakeStream, StreamModel
 
-    from fsdp2.param_group import FSDPParamGroup
+    from fsdp2.engine.param_group import FSDPParamGroup
 
     # The events themselves are kept, not their ids: an id can be reused once
     # an event of an earlier forward is freed.

@@ -1,6 +1,6 @@
 """``make gpu-check`` without a GPU, its rehearsal on CPU, and the engine's
 switch it uses to run collectives at world size 1
-(``fsdp2.check_switches.force_one_rank_collectives``)."""
+(``fsdp2.api.check_switches.force_one_rank_collectives``)."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.testing import assert_close
 
 import fsdp2
-from fsdp2.check_switches import force_one_rank_collectives
-from fsdp2.divide import divide_plan
+from fsdp2.api.check_switches import force_one_rank_collectives
+from fsdp2.comm.divide import divide_plan
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "gpu_check.py"
 

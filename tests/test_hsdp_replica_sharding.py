@@ -56,7 +56,7 @@ from torch.testing import assert_close
 
 import fsdp2
 from fsdp2 import CompressionPolicy
-from fsdp2.common import strided_layout_matches
+from fsdp2.comm.mesh_info import strided_layout_matches
 from fsdp2.optim import Muon
 
 STEPS = 3
@@ -139,7 +139,7 @@ def test_one_optimizer_hook_pair_and_the_plan_it_keeps() -> None:
     kept chunks its steps mark stale; none for an optimizer of plain tensors."""
     from torch.optim import optimizer as torch_optimizer
 
-    from fsdp2 import optimizer_hooks
+    from fsdp2.optim import optimizer_hooks
 
     with fake_world(1):
         mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("replicate", "shard"))

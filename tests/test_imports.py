@@ -1,7 +1,8 @@
-"""The package's shape: imports inside fsdp2/ run one way (no cycle, lazy
-imports inside functions included, and none either once the imports under
-``if TYPE_CHECKING:`` are counted: a layer that names a type from above is
-a layer out of place), and no file grows past 600 lines."""
+"""The package's shape: fsdp2/'s subpackages are layers, and every import
+inside fsdp2/ (lazy imports inside functions and the ones under ``if
+TYPE_CHECKING:`` included: a layer that names a type from above is a layer
+out of place) stays in its layer or goes down, never up and never round in a
+circle; no file grows past 600 lines."""
 
 from __future__ import annotations
 
@@ -12,6 +13,15 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "fsdp2"
 MAX_LINES = 600
+# Bottom first; docs/design.md, "The package's layers", says what each holds.
+LAYERS = ("base", "comm", "engine", "checks", "optim", "api")
+
+
+def _layer(module: str) -> int:
+    """The layer of ``fsdp2.<layer>.<file>``; the package itself (its
+    ``__init__``, the public names) sits above them all."""
+    parts = module.split(".")
+    return LAYERS.index(parts[1]) if len(parts) > 1 else len(LAYERS)
 
 
 def _module_name(path: Path) -> str:
@@ -96,9 +106,34 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
+def test_every_module_is_in_a_layer() -> None:
+    strays = [m for m in _import_graph() if m != "fsdp2" and m.split(".")[1] not in LAYERS]
+    assert not strays, f"modules outside the layers {LAYERS}: {strays}"
+
+
+def test_imports_never_run_up_a_layer() -> None:
+    graph = _import_graph(type_only=True)
+    assert graph["fsdp2.api.state"], "the graph should see state.py's imports"
+    upward = sorted(
+        f"{module} -> {imported}"
+        for module, imports in graph.items()
+        for imported in imports
+        if _layer(imported) > _layer(module)
+    )
+    assert not upward, (
+        "imports running up the layers " + " < ".join(LAYERS) + ":\n" + ("\n".join(upward))
+    )
+
+
+def test_the_layer_check_can_fail() -> None:
+    assert _layer("fsdp2.base.policy") < _layer("fsdp2.comm.primitives") < _layer("fsdp2.api.state")
+    assert _layer("fsdp2") > _layer("fsdp2.api.module")
+    with pytest.raises(ValueError):
+        _layer("fsdp2.elsewhere.x")
+
+
 def test_runtime_imports_have_no_cycle() -> None:
     graph = _import_graph()
-    assert graph["fsdp2.state"], "the graph should see state.py's imports"
     cycle = _cycle(graph)
     assert cycle is None, "import cycle in fsdp2/: " + " -> ".join(cycle or [])
 

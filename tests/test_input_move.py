@@ -11,7 +11,7 @@ from dist import fake_world
 from models import build_model, shard_model
 from torch.overrides import TorchFunctionMode
 
-from fsdp2.state import get_fsdp_state
+from fsdp2.api.state import get_fsdp_state
 
 
 class RecordMoves(TorchFunctionMode):

@@ -52,9 +52,9 @@ from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed._tensor.common_dtensor import ModelArgs, Transformer
 
 import fsdp2
-import fsdp2.mistakes
-import fsdp2.same_model
-from fsdp2.check_switches import skip_same_model_check
+import fsdp2.checks.mistakes
+import fsdp2.checks.same_model
+from fsdp2.api.check_switches import skip_same_model_check
 
 KIND = "transformer_untied"  # a root with parameters of its own: embeddings, norm, head
 THRESHOLD = 100  # min_numel_to_shard: biases and norm weights stay whole on every rank
@@ -73,10 +73,10 @@ def no_warnings() -> Iterator[None]:
 @contextlib.contextmanager
 def counted_checks() -> Iterator[list[int]]:
     """Counts the checks' collectives while active: the optimizer check's
-    (``fsdp2.mistakes._gather``) and the lazy init's all-reduces
-    (``fsdp2.same_model._max_over``)."""
+    (``fsdp2.checks.mistakes._gather``) and the lazy init's all-reduces
+    (``fsdp2.checks.same_model._max_over``)."""
     calls = [0]
-    patched = [(fsdp2.mistakes, "_gather"), (fsdp2.same_model, "_max_over")]
+    patched = [(fsdp2.checks.mistakes, "_gather"), (fsdp2.checks.same_model, "_max_over")]
     originals = [getattr(module, name) for module, name in patched]
 
     def counting(original):

@@ -37,7 +37,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.testing import assert_close
 
 import fsdp2
-from fsdp2.reduction import ReductionPipeline
+from fsdp2.engine.reduction import ReductionPipeline
 
 
 def _fsdp_modules(model: nn.Module) -> list[fsdp2.FSDPModule]:

@@ -43,7 +43,7 @@ from torch.testing._internal.distributed._tensor.common_dtensor import Transform
 
 import fsdp2
 from fsdp2 import FSDPModule, fully_shard
-from fsdp2.common import ShardedState
+from fsdp2.engine.states import ShardedState
 
 TOKENS = "transformer_untied"  # global_batch(): token ids and targets
 NUM_STEPS = 4

@@ -34,8 +34,8 @@ from models import (
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 import fsdp2
-from fsdp2.stats import KINDS
-from fsdp2.summary import print_summary
+from fsdp2.api.summary import print_summary
+from fsdp2.comm.stats import KINDS
 
 KIND = "transformer_untied"
 N_LAYERS = 2
@@ -263,7 +263,7 @@ def test_debug_records_carry_the_rank(
 
 
 def _check_step_stats(
-    step: dict[str, fsdp2.stats.GroupStats],
+    step: dict[str, fsdp2.comm.stats.GroupStats],
     expected: dict[str, ExpectedGroup],
     all_gathers: dict[str, int],
     rows: list[fsdp2.GroupSummary],

@@ -46,7 +46,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import fsdp2
 from fsdp2 import CompressionPolicy
-from fsdp2.wire import dequantize_rows, quantize_rows, rows_wire_bytes
+from fsdp2.comm.wire import dequantize_rows, quantize_rows, rows_wire_bytes
 
 pytestmark = pytest.mark.distributed
 

@@ -43,8 +43,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import fsdp2
-from fsdp2.common import ShardedState
-from fsdp2.stats import KINDS
+from fsdp2.comm.stats import KINDS
+from fsdp2.engine.states import ShardedState
 
 VOCAB, DIM, N_BLOCKS, GLOBAL_BATCH, SEQ_LEN, MICROBATCHES, STEPS = 32, 16, 4, 16, 6, 4, 2
 

@@ -23,7 +23,7 @@ from dist import labelled, run_ranks
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.testing import assert_close
 
-from fsdp2 import primitives
+from fsdp2.comm import primitives
 
 c10d_ops = torch.ops.c10d
 

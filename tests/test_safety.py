@@ -41,8 +41,8 @@ from torch.distributed.tensor import DTensor
 from torch.testing import assert_close
 
 import fsdp2
-from fsdp2.all_gather import AllGatherComm
-from fsdp2.common import ShardedState, TrainingState
+from fsdp2.comm.all_gather import AllGatherComm
+from fsdp2.engine.states import ShardedState, TrainingState
 
 WORLD_SIZE = 2
 D_IN, DIM, D_OUT = 7, 9, 5  # 9 rows: 5 + 4 at world size 2, so the buffers are padded

@@ -25,16 +25,16 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from fsdp2 import MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from fsdp2.all_gather import AllGatherComm, params_inputs
-from fsdp2.comm import CommKind, InFlight
-from fsdp2.common import MeshInfo, chunk_rows
-from fsdp2.divide import divide_plan
-from fsdp2.layout import ShardLayout
-from fsdp2.param import FSDPParam
-from fsdp2.primitives import collectives_for
-from fsdp2.private_api import chunk_cat_
-from fsdp2.reduce_scatter import ReduceInFlight, ReduceScatterComm
-from fsdp2.reduction import assign_sharded_grads, average
+from fsdp2.base.private_api import chunk_cat_
+from fsdp2.comm.all_gather import AllGatherComm, params_inputs
+from fsdp2.comm.context import CommKind, InFlight
+from fsdp2.comm.divide import divide_plan
+from fsdp2.comm.layout import ShardLayout
+from fsdp2.comm.mesh_info import MeshInfo, chunk_rows
+from fsdp2.comm.primitives import collectives_for
+from fsdp2.comm.reduce_scatter import ReduceInFlight, ReduceScatterComm
+from fsdp2.engine.param import FSDPParam
+from fsdp2.engine.reduction import assign_sharded_grads, average
 
 MAX_WORLD_SIZE = 8
 CPU = torch.device("cpu")

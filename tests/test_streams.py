@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 import fsdp2
-from fsdp2.comm import CommContext
+from fsdp2.comm.context import CommContext
 
 STEPS = 3
 

@@ -28,8 +28,8 @@ from models import (
 from torch.distributed.tensor import DTensor, Shard
 
 import fsdp2
-from fsdp2 import torch_clipping
-from fsdp2.torch_names import FSDP2_OBJECTS, TORCH_NAMESPACES
+from fsdp2.api.torch_names import FSDP2_OBJECTS, TORCH_NAMESPACES
+from fsdp2.optim import torch_clipping
 
 STEPS = 3
 

@@ -16,7 +16,7 @@ from dist import fake_world
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 import fsdp2
-from fsdp2.policy import from_torch_policy
+from fsdp2.base.policy import from_torch_policy
 
 DTYPES = [None, torch.bfloat16, torch.float32]
 

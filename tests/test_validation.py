@@ -822,9 +822,9 @@ def test_policy_flags_take_torchs_values_with_its_meaning(value: object) -> None
     offload = fsdp2.CPUOffloadPolicy(pin_memory=value)  # type: ignore[arg-type]
     assert offload == fsdp2.CPUOffloadPolicy(pin_memory=bool(value))
     # torch's, as torch builds them, converted with torch's meaning
-    converted = fsdp2.policy.from_torch_policy(TorchPolicy(cast_forward_inputs=value))
+    converted = fsdp2.base.policy.from_torch_policy(TorchPolicy(cast_forward_inputs=value))
     assert converted == fsdp2.MixedPrecisionPolicy(cast_forward_inputs=bool(value))
-    converted = fsdp2.policy.from_torch_policy(TorchOffload(pin_memory=value))
+    converted = fsdp2.base.policy.from_torch_policy(TorchOffload(pin_memory=value))
     assert converted == fsdp2.CPUOffloadPolicy(pin_memory=bool(value))
 
 

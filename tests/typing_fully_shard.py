@@ -10,7 +10,7 @@ import torch.nn as nn
 
 import fsdp2
 from fsdp2 import FSDPModule
-from fsdp2.state import FSDPState
+from fsdp2.api.state import FSDPState
 
 
 def sharded_types(module: nn.Module, modules: list[nn.Module]) -> None:

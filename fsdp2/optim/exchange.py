@@ -16,9 +16,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from ..primitives import collectives_for
-from ..private_api import shards_tensor
-from ..timeouts import naming_failures
+from ..base.private_api import shards_tensor
+from ..comm.primitives import collectives_for
+from ..comm.timeouts import naming_failures
 from .newton_schulz import orthogonalize
 from .owners import assign_owners, newton_schulz_cost
 

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from fsdp2.common import chunk_rows
-from fsdp2.wire import rows_wire_bytes
+from fsdp2.comm.mesh_info import chunk_rows
+from fsdp2.comm.wire import rows_wire_bytes
 
 from .sizes import DTYPES, GroupSizes, ModelConfig, Setup, build_model
 

@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.testing._internal.distributed._tensor.common_dtensor import ModelArgs, Transformer
 
 import fsdp2
-from fsdp2.state import get_fsdp_state
+from fsdp2.api.state import get_fsdp_state
 
 ModelConfig = LlamaConfig | ModelArgs  # scripts/llama.py's Llama, or torch's test Transformer
 
