@@ -317,7 +317,7 @@ def test_premul_sum_before_torch_2_13(monkeypatch: pytest.MonkeyPatch) -> None:
     """torch before 2.13 (the GPU machine's 2.11): ``ReduceOp.PREMUL_SUM`` is a
     plain member, not callable; the op then comes from ``_make_nccl_premul_sum``,
     with the same factor."""
-    from fsdp2.base.private_api import premul_sum
+    from fsdp2.base.private_dist import premul_sum
 
     class ReduceOpBefore213:
         PREMUL_SUM = "PREMUL_SUM"  # a member: calling it would raise

@@ -40,7 +40,7 @@ from models import build_model, global_batch, local_batch, make_optimizer, mean_
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 import fsdp2
-from fsdp2.base.private_api import group_timeout
+from fsdp2.base.private_dist import group_timeout
 
 WORLD_SIZE = 4
 # The job's timeout: the default group's, set by init_process_group. Short, for

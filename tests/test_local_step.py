@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fsdp2
-from fsdp2.base.private_api import step_local_tensors
+from fsdp2.base.private_dist import step_local_tensors
 from fsdp2.optim.local_step import ELEMENTWISE, LocalInitGroup, _step_locally
 
 pytestmark = pytest.mark.distributed

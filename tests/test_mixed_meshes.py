@@ -26,7 +26,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.testing import assert_close
 
 import fsdp2
-from fsdp2.base.private_api import dtensor_from_local_no_grad, dtensor_spec
+from fsdp2.base.private_dist import dtensor_from_local_no_grad, dtensor_spec
 
 WORLD_SIZE = 4
 STEPS = 3

@@ -64,7 +64,7 @@ from torch.testing._internal.distributed._tensor.common_dtensor import (
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fsdp2
-from fsdp2.base.private_api import local_tensor
+from fsdp2.base.private_dist import local_tensor
 from fsdp2.engine.states import ShardedState
 
 WORLD_SIZE = 2

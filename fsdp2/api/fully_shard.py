@@ -21,12 +21,8 @@ from ..base.policy import (
     OffloadArg,
     OffloadPolicy,
 )
-from ..base.private_api import (
-    in_backward,
-    mark_composable_api,
-    module_parameters,
-    never_a_compiled_frame,
-)
+from ..base.private_api import in_backward, module_parameters, never_a_compiled_frame
+from ..base.private_dist import mark_composable_api
 from ..checks.mistakes import mark_ignored
 from ..checks.same_model import remember
 from ..comm.over_replicas import quiet_two_all_gathers_notice

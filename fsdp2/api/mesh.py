@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Shard
 
-from ..base.private_api import concatenate_meshes, flatten_axes
+from ..base.private_dist import concatenate_meshes, flatten_axes
 from ..comm.mesh_info import MeshInfo, SpmdAxes
 
 

@@ -11,7 +11,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..base.markers import SHARDED, SHARDED_AS
 from ..base.policy import MixedPrecisionPolicy
-from ..base.private_api import concatenate_meshes
+from ..base.private_dist import concatenate_meshes
 from ..comm.mesh_info import MeshInfo, SpmdAxes, strided_layout_matches
 from ..engine.extension import POST_ALL_GATHER, PRE_ALL_GATHER
 from .mesh import MeshInfos, ShardPlacementResult, resolve_mesh

@@ -31,14 +31,8 @@ import torch.nn as nn
 from ..base.log import logger
 from ..base.markers import SHARDED_AS, ShardedAs
 from ..base.policy import MixedPrecisionPolicy
-from ..base.private_api import (
-    in_backward,
-    in_compiled_autograd,
-    local_tensor,
-    map_tensors,
-    profiled,
-    tensors_in,
-)
+from ..base.private_api import in_backward, in_compiled_autograd, map_tensors, profiled, tensors_in
+from ..base.private_dist import local_tensor
 from ..base.torch_fsdp import check_not_under_torch_fsdp
 from ..checks.mistakes import at_lazy_init
 from ..comm.mesh_info import MeshInfo

@@ -39,6 +39,11 @@ def check_bool(
     )
 
 
+def check_bools(where: str, **values: object) -> tuple[bool, ...]:
+    """The boolean arguments ``values`` of ``where`` (a setter), in order, as bools."""
+    return tuple(check_bool(where, name, value) for name, value in values.items())
+
+
 @dataclass(frozen=True)
 class MixedPrecisionPolicy:
     """Dtypes for compute and communication; sharded parameters and optimizer

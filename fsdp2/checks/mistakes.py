@@ -27,7 +27,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from ..base.markers import DATA_PARALLEL, IGNORED, SHARDED, SHARDED_AS, UNSHARDED
-from ..base.private_api import unseen_by_dispatch_modes
+from ..base.private_dist import unseen_by_dispatch_modes
 from ..comm.mesh_info import MeshInfo, device_from_mesh
 from ..comm.timeouts import naming_failures
 from .same_model import check_same_model, checksums, data_parallel_size, differ, some

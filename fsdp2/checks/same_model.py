@@ -41,7 +41,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from ..base.markers import BUILT_AS
-from ..base.private_api import local_tensor, unseen_by_dispatch_modes
+from ..base.private_dist import local_tensor, unseen_by_dispatch_modes
 from ..comm.mesh_info import MeshInfo, device_from_mesh
 from ..comm.primitives import Collectives, backend_for
 from ..comm.timeouts import naming_failures

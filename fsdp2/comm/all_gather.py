@@ -29,7 +29,8 @@ from typing import NamedTuple
 
 import torch
 
-from ..base.private_api import foreach_copy_, local_tensor
+from ..base.private_api import foreach_copy_
+from ..base.private_dist import local_tensor
 from .compressed import Int8Rows, all_gather_row, copy_out_int8
 from .context import ALL_GATHER, CommContext, CommKind, InFlight
 from .layout import CommParam

@@ -9,7 +9,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from ..base.private_api import premul_sum
+from ..base.private_dist import premul_sum
 from .primitives import ReduceOp
 
 

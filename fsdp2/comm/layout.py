@@ -54,7 +54,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
-from ..base.private_api import concatenate_meshes, strided_shard
+from ..base.private_dist import concatenate_meshes, strided_shard
 from .mesh_info import MeshInfo, SpmdAxes, chunk_rows
 
 
@@ -277,6 +277,15 @@ def _spmd_placements(
     placements[spmd.shard[0]] = dp_placement
     del placements[spmd.shard[0] + 1 : spmd.shard[-1] + 1]  # flattened into the first
     return spmd.sharded_mesh, tuple(placements)
+
+
+def contiguous_strides(size: torch.Size) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``size``."""
+    strides, running = [], 1
+    for dim in reversed(size):
+        strides.append(running)
+        running *= dim
+    return tuple(reversed(strides))
 
 
 class CommParam(Protocol):

@@ -142,3 +142,12 @@ def post_forward_mesh_info(mesh: DeviceMesh, group_size: int) -> MeshInfo:
         shard_rank=small_mesh.get_local_rank(1),
         shard_role="post-forward group",
     )
+
+
+def shard_axis(mesh: DeviceMesh) -> DeviceMesh:
+    """The 1D mesh of the shard axis (the last) of a FSDP or HSDP mesh."""
+    if mesh.ndim == 1:
+        return mesh
+    if mesh.mesh_dim_names is None:  # fully_shard refuses a 2D mesh without names
+        raise AssertionError(f"an HSDP mesh without axis names: {mesh}")
+    return mesh[mesh.mesh_dim_names[-1]]

@@ -42,7 +42,8 @@ import torch
 from torch.distributed.tensor import Shard
 
 from ..base.markers import KEPT_CHUNK
-from ..base.private_api import chunk_cat_, is_strided_shard, local_tensor, redistribute_logger
+from ..base.private_api import chunk_cat_
+from ..base.private_dist import is_strided_shard, local_tensor, redistribute_logger
 from .all_gather import AllGatherComm, AllGatherInputs
 from .compressed import GradientWire
 from .context import REPLICA_REDUCE_SCATTER, CommContext, InFlight

@@ -32,7 +32,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from ..base.private_api import group_timeout, run_as_collective
+from ..base.private_dist import group_timeout, run_as_collective
 
 ReduceOp = dist.ReduceOp | dist.ReduceOp.RedOpType
 

@@ -25,7 +25,7 @@ from collections.abc import Iterable, Iterator
 import torch.distributed as dist
 
 from ..base.log import logger
-from ..base.private_api import backend_default_timeout, group_timeout, set_group_timeout
+from ..base.private_dist import backend_default_timeout, group_timeout, set_group_timeout
 from .primitives import Collectives, backend_for
 
 

@@ -29,7 +29,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from ..base.private_api import unseen_by_dispatch_modes
+from ..base.private_dist import unseen_by_dispatch_modes
 from ..comm.primitives import Collectives
 from ..comm.timeouts import naming_failures
 

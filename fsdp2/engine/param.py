@@ -8,23 +8,21 @@ from typing import NamedTuple
 
 import torch
 import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from ..base.device_ops import DeviceOps
 from ..base.markers import SHARDED, UNSHARDED
 from ..base.policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from ..base.private_api import (
+from ..base.private_api import module_parameters, post_accumulate_grad_hooks
+from ..base.private_dist import (
     DTensorSpec,
     dtensor_from_local_no_grad,
     dtensor_spec,
     local_tensor,
-    module_parameters,
-    post_accumulate_grad_hooks,
     set_local_tensor,
 )
-from ..comm.layout import ShardLayout, TPLayout
-from ..comm.mesh_info import MeshInfo
+from ..comm.layout import ShardLayout, TPLayout, contiguous_strides
+from ..comm.mesh_info import MeshInfo, shard_axis
 from ..comm.offload import HostCopy, copy_to_host
 from .extension import AllGatherExtension, uses_all_gather_extension
 
@@ -34,23 +32,6 @@ class Registration(NamedTuple):
 
     module: nn.Module
     name: str
-
-
-def _contiguous_strides(size: torch.Size) -> tuple[int, ...]:
-    strides, running = [], 1
-    for dim in reversed(size):
-        strides.append(running)
-        running *= dim
-    return tuple(reversed(strides))
-
-
-def _shard_axis(mesh: DeviceMesh) -> DeviceMesh:
-    """The 1D mesh of the shard axis (the last) of a FSDP or HSDP mesh."""
-    if mesh.ndim == 1:
-        return mesh
-    if mesh.mesh_dim_names is None:  # fully_shard refuses a 2D mesh without names
-        raise AssertionError(f"an HSDP mesh without axis names: {mesh}")
-    return mesh[mesh.mesh_dim_names[-1]]
 
 
 class FSDPParam:
@@ -117,7 +98,7 @@ class FSDPParam:
         if uses_all_gather_extension(local):
             self.extension = AllGatherExtension(
                 local,
-                _shard_axis(mesh_info.mesh),
+                shard_axis(mesh_info.mesh),
                 device,
                 layout.unsharded_size[0],
                 registrations[0].module,
@@ -278,7 +259,7 @@ class FSDPParam:
         return self.extension.pre_all_gather(
             local,
             orig_size,
-            _contiguous_strides(orig_size),
+            contiguous_strides(orig_size),
             self.mesh_info.shard_collectives,
         )
 

@@ -24,7 +24,7 @@ See docs/design.md for the whole picture.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple, Protocol
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -34,10 +34,9 @@ from ..base.log import logger
 from ..base.private_api import module_parameters, outside_functorch, profiled
 from ..base.version import versions
 from ..comm.all_gather import AllGatherInFlight, AllGatherInputs, all_gather_dtype, as_buffer_dtype
-from ..comm.context import CommContext, InFlight
+from ..comm.context import CommContext
 from ..comm.divide import DividePlan, divide_plan
 from ..comm.mesh_info import MeshInfo
-from ..comm.reduce_scatter import ReduceInFlight
 from ..comm.variants import CommSettings, GroupComms, choose_comms
 from .execution_order import ExecutionOrderCheck
 from .param import FSDPParam
@@ -52,13 +51,6 @@ class GroupContext(Protocol):
     comm: CommContext
     order_check: ExecutionOrderCheck | None
     backward_running: bool  # between the first pre-backward hook and the final callback
-
-
-class GradsToReduce(NamedTuple):
-    """The gradients a group's post-backward took, in reduce-scatter order."""
-
-    fsdp_params: list[FSDPParam]
-    grads: list[torch.Tensor]
 
 
 class FSDPParamGroup:
@@ -356,43 +348,6 @@ class FSDPParamGroup:
         if self.unshard_in_backward:
             self.unshard()
 
-    def take_grads(self) -> GradsToReduce | None:
-        """Post-backward's first half: takes this backward's gradients and
-        reshards. Without gradient sync the gradients are kept instead, and
-        None is returned; otherwise the gradients to reduce-scatter (a list
-        that may be empty)."""
-        self.training_state = TrainingState.POST_BACKWARD
-        if not self.requires_gradient_sync:
-            for fsdp_param in self.fsdp_params:
-                fsdp_param.keep_unsynced_grad(on_param=self.held_for_weight_grads)
-            if self.reshard_after_backward and not self.held_for_weight_grads:
-                self.reshard()
-            return None
-        grads = [p.take_unsharded_grad(cast=False) for p in self.fsdp_params]
-        # Zeros for the unused ones in the others' dtype: packing casts nothing whole.
-        dtype = next((g.dtype for g in grads if g is not None), None)
-        taken = GradsToReduce([], [])
-        for fsdp_param, grad in zip(self.fsdp_params, grads, strict=True):
-            if (
-                grad is None
-                and fsdp_param.requires_grad
-                and (
-                    # Unused on this rank, perhaps used on others: every rank must
-                    # reduce-scatter the same buffer (MoE, multimodal models).
-                    self.reduce_scatter_unused_params
-                    # Kept from an earlier backward without all-reduce: it must
-                    # join this reduction even though this backward gave no grad.
-                    or (fsdp_param.partial_grad is not None and self.settings.requires_all_reduce)
-                )
-            ):
-                grad = fsdp_param.zero_unsharded_grad(dtype or fsdp_param.param_dtype)
-            if grad is not None:
-                taken.fsdp_params.append(fsdp_param)
-                taken.grads.append(grad)
-        if self.reshard_after_backward:
-            self.reshard()
-        return taken
-
     def divide_plan(self, sum_dtype: torch.dtype) -> DividePlan:
         """How this group's reductions divide (divide.py), made once: the
         setters that change it call ``clear_divide_plan``."""
@@ -413,31 +368,6 @@ class FSDPParamGroup:
 
     def clear_divide_plan(self) -> None:
         self._divide_plan = None
-
-    def reduce_scatter(self, taken: GradsToReduce) -> ReduceInFlight:
-        """Post-backward's second half: starts the reduce-scatter of ``taken``."""
-        variant = self.comms.reduce_scatter
-        if (check := self.root_ctx.order_check) is not None:
-            slots = sum(p.layout.slot_numel for p in taken.fsdp_params)
-            numel = slots * self.mesh_info.shard_world_size
-            check.before_collective("reduce-scatter", self.position, variant.collectives, numel)
-            check.record("reduce-scatter", self.position, in_training=True)
-        logger.debug("%s: reduce-scatter issued for %d grads", self.name, len(taken.grads))
-        plan = self.divide_plan(variant.sum_dtype(taken.fsdp_params[0].reduce_dtype))
-        return variant.start(taken.fsdp_params, taken.grads, plan, self.root_ctx.comm, self.name)
-
-    def start_across_replicas(
-        self, reduced: ReduceInFlight, after: tuple[InFlight, ...] = ()
-    ) -> ReduceInFlight | None:
-        """Starts the replica stage (replica_stage.py) on a reduce-scatter's
-        output: finished, or (``after``: its collectives) on accelerators still
-        in flight. Returns what the stage left to assign, or None."""
-        stage = self.comms.replica_stage
-        check, replicate = self.root_ctx.order_check, self.mesh_info.replicate_collectives
-        if stage.communicates and check is not None and replicate is not None:
-            check.before_collective("all-reduce", self.position, replicate, reduced.output.numel())
-            check.record("all-reduce", self.position, in_training=True)
-        return stage.start(reduced, self.root_ctx.comm, self.name, after)
 
     @property
     def needs_post_backward(self) -> bool:

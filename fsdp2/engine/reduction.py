@@ -30,13 +30,22 @@ import torch
 from ..base.device_ops import DeviceOps
 from ..base.log import logger
 from ..base.private_api import profiled
+from ..comm.context import InFlight
 from ..comm.offload import HostCopy
 from ..comm.reduce_scatter import ReduceInFlight
 from .param_group import FSDPParamGroup, GroupContext
 from .sharded_grads import GroupGrads
+from .states import TrainingState
 
 if TYPE_CHECKING:
     from .param import FSDPParam
+
+
+class GradsToReduce(NamedTuple):
+    """The gradients a group's post-backward took, in reduce-scatter order."""
+
+    fsdp_params: list[FSDPParam]
+    grads: list[torch.Tensor]
 
 
 class QueuedReduction(NamedTuple):
@@ -71,18 +80,18 @@ class ReductionPipeline:
         """A group's gradients are complete: reduce-scatters them (or keeps
         them, without gradient sync) and reshards."""
         with profiled("post_backward", group.name):
-            taken = group.take_grads()
+            taken = take_grads(group)
             if taken is None:
                 return
             self.make_room()
             if taken.grads:
-                reduced = group.reduce_scatter(taken)
+                reduced = start_reduce_scatter(group, taken)
                 stage = group.comms.replica_stage
                 if self.root_ctx.comm.uses_streams and stage.can_start_early(reduced):
                     # Accelerators: ordered after the reduce-scatter's event only, it
                     # overlaps the next groups' backward (on CPU gloo would block the
                     # host on the reduce-scatter first).
-                    across = group.start_across_replicas(reduced, after=reduced.in_flight)
+                    across = start_across_replicas(group, reduced, after=reduced.in_flight)
                     reduced = reduced._replace(across=across)
                 self.reduce_scatters.append(QueuedReduction(self, group, reduced))
 
@@ -108,7 +117,7 @@ class ReductionPipeline:
         if across is None:
             if group.comms.replica_stage.communicates:
                 self.finish_across_replicas()
-            across = group.start_across_replicas(reduced)
+            across = start_across_replicas(group, reduced)
         if across is None:
             return  # kept for a later reduction
         if across.in_flight:
@@ -246,3 +255,68 @@ def assign_sharded_grads(
         if (copy := fsdp_param.accumulate_sharded_grad(local_grad, ops)) is not None:
             copies.append(copy)
     return copies
+
+
+def take_grads(group: FSDPParamGroup) -> GradsToReduce | None:
+    """Post-backward's first half: takes this backward's gradients and
+    reshards. Without gradient sync the gradients are kept instead, and
+    None is returned; otherwise the gradients to reduce-scatter (a list
+    that may be empty)."""
+    group.training_state = TrainingState.POST_BACKWARD
+    if not group.requires_gradient_sync:
+        for fsdp_param in group.fsdp_params:
+            fsdp_param.keep_unsynced_grad(on_param=group.held_for_weight_grads)
+        if group.reshard_after_backward and not group.held_for_weight_grads:
+            group.reshard()
+        return None
+    grads = [p.take_unsharded_grad(cast=False) for p in group.fsdp_params]
+    # Zeros for the unused ones in the others' dtype: packing casts nothing whole.
+    dtype = next((g.dtype for g in grads if g is not None), None)
+    taken = GradsToReduce([], [])
+    for fsdp_param, grad in zip(group.fsdp_params, grads, strict=True):
+        if (
+            grad is None
+            and fsdp_param.requires_grad
+            and (
+                # Unused on this rank, perhaps used on others: every rank must
+                # reduce-scatter the same buffer (MoE, multimodal models).
+                group.reduce_scatter_unused_params
+                # Kept from an earlier backward without all-reduce: it must
+                # join this reduction even though this backward gave no grad.
+                or (fsdp_param.partial_grad is not None and group.settings.requires_all_reduce)
+            )
+        ):
+            grad = fsdp_param.zero_unsharded_grad(dtype or fsdp_param.param_dtype)
+        if grad is not None:
+            taken.fsdp_params.append(fsdp_param)
+            taken.grads.append(grad)
+    if group.reshard_after_backward:
+        group.reshard()
+    return taken
+
+
+def start_reduce_scatter(group: FSDPParamGroup, taken: GradsToReduce) -> ReduceInFlight:
+    """Post-backward's second half: starts the reduce-scatter of ``taken``."""
+    variant = group.comms.reduce_scatter
+    if (check := group.root_ctx.order_check) is not None:
+        slots = sum(p.layout.slot_numel for p in taken.fsdp_params)
+        numel = slots * group.mesh_info.shard_world_size
+        check.before_collective("reduce-scatter", group.position, variant.collectives, numel)
+        check.record("reduce-scatter", group.position, in_training=True)
+    logger.debug("%s: reduce-scatter issued for %d grads", group.name, len(taken.grads))
+    plan = group.divide_plan(variant.sum_dtype(taken.fsdp_params[0].reduce_dtype))
+    return variant.start(taken.fsdp_params, taken.grads, plan, group.root_ctx.comm, group.name)
+
+
+def start_across_replicas(
+    group: FSDPParamGroup, reduced: ReduceInFlight, after: tuple[InFlight, ...] = ()
+) -> ReduceInFlight | None:
+    """Starts the replica stage (replica_stage.py) on a reduce-scatter's
+    output: finished, or (``after``: its collectives) on accelerators still
+    in flight. Returns what the stage left to assign, or None."""
+    stage = group.comms.replica_stage
+    check, replicate = group.root_ctx.order_check, group.mesh_info.replicate_collectives
+    if stage.communicates and check is not None and replicate is not None:
+        check.before_collective("all-reduce", group.position, replicate, reduced.output.numel())
+        check.record("all-reduce", group.position, in_training=True)
+    return stage.start(reduced, group.root_ctx.comm, group.name, after)

@@ -40,13 +40,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..base.private_api import (
-    dtensor_specs,
-    local_tensor,
-    locals_in_place,
-    post_accumulate_grad_hooks,
-    storage_use_count,
-)
+from ..base.private_api import post_accumulate_grad_hooks, storage_use_count
+from ..base.private_dist import dtensor_specs, local_tensor, locals_in_place
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor

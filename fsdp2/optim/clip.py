@@ -26,13 +26,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.placement_types import Placement
 
-from ..base.private_api import (
-    dtensor_specs,
-    foreach_mul_,
-    local_tensor,
-    locals_in_place,
-    shards_tensor,
-)
+from ..base.private_api import foreach_mul_
+from ..base.private_dist import dtensor_specs, local_tensor, locals_in_place, shards_tensor
 from ..comm.primitives import collectives_for
 from ..comm.timeouts import naming_failures
 from ..engine.reduction import ReductionPipeline

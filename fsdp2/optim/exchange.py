@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from ..base.private_api import shards_tensor
+from ..base.private_dist import shards_tensor
 from ..comm.primitives import collectives_for
 from ..comm.timeouts import naming_failures
 from .newton_schulz import orthogonalize

@@ -65,7 +65,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ..base.private_api import (
+from ..base.private_dist import (
     dtensor_from_local_no_grad,
     dtensor_spec_of,
     dtensor_specs,

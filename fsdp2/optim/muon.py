@@ -14,7 +14,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import ParamsT
 
-from ..base.private_api import local_tensor
+from ..base.private_dist import local_tensor
 from .exchange import NewtonSchulzArgs, ShardGroup, orthogonalize_row_blocks, shard_group_of
 from .newton_schulz import ADJUST_LR_FNS, adjusted_lr, orthogonalize
 

@@ -32,13 +32,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, Replicate
 
-from ..base.private_api import (
-    clip_grad_norm_helpers,
-    dtensor_specs,
-    foreach_norm,
-    local_tensor,
-    locals_in_place,
-)
+from ..base.private_api import clip_grad_norm_helpers, foreach_norm
+from ..base.private_dist import dtensor_specs, local_tensor, locals_in_place
 from ..engine.sharded_grads import whole_buffers
 from .clip import (
     _GRAD,
