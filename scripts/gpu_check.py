@@ -75,7 +75,7 @@ from llama import Llama, LlamaConfig  # noqa: E402
 
 import fsdp2  # noqa: E402
 from fsdp2.api.check_switches import force_one_rank_collectives  # noqa: E402
-from fsdp2.base.private_api import premul_sum  # noqa: E402
+from fsdp2.base.private_dist import premul_sum  # noqa: E402
 from fsdp2.comm.context import InFlight  # noqa: E402
 from fsdp2.comm.primitives import collectives_for  # noqa: E402
 
