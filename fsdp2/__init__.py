@@ -39,3 +39,11 @@ __all__ = [
     "share_comm_ctx",
     "summary",
 ]
+
+# The public objects name the package, not the file that defines them (as
+# torch's do: ``torch.distributed.fsdp``), so that pickles (a policy in a
+# saved config), reprs and messages stay the same whatever the package's
+# layout.
+for _name in __all__[1:]:
+    globals()[_name].__module__ = __name__
+del _name

@@ -199,7 +199,7 @@ def shard(
 def replaced(wrap) -> Iterator[None]:
     """Replaces torch's ``all_gather_single`` and ``reduce_scatter_single`` and
     the ``all_gather`` and ``reduce_scatter`` of fsdp2's collectives (torch's
-    and gloo's, fsdp2/primitives.py) by ``wrap(name, original)`` while active;
+    and gloo's, fsdp2/comm/primitives.py) by ``wrap(name, original)`` while active;
     ``name`` is torch's, the original takes torch's arguments."""
     from fsdp2.comm.primitives import Collectives, GlooCollectives
 

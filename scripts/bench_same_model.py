@@ -1,4 +1,4 @@
-"""What the same-model check costs (fsdp2/same_model.py), with and without it,
+"""What the same-model check costs (fsdp2/checks/same_model.py), with and without it,
 interleaved: ``fully_shard`` (its fingerprints), the first forward (lazy init,
 with the all-reduce) and later steps (the check's collectives counted).
 

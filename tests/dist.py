@@ -211,7 +211,7 @@ class Call(NamedTuple):
 @contextlib.contextmanager
 def wrapped_collectives(method: str, wrap: Callable[[Callable], Callable]) -> Iterator[None]:
     """Replaces ``method`` ("all_gather", "reduce_scatter" or "all_reduce") of
-    fsdp2's collectives, torch's and gloo's (fsdp2/primitives.py), with
+    fsdp2's collectives, torch's and gloo's (fsdp2/comm/primitives.py), with
     ``wrap(original)`` while active, in this process."""
     from fsdp2.comm.primitives import Collectives, GlooCollectives
 

@@ -3,7 +3,7 @@
 fsdp2's accelerator path orders work between streams with events and waits;
 a missing wait is a race that no CPU test sees, since CPU kernels run in
 program order. ``StreamModel`` is handed to the engine through its one seam
-(``fsdp2.api.check_switches.use_device_ops``, see fsdp2/device_ops.py) in place of CUDA's
+(``fsdp2.api.check_switches.use_device_ops``, see fsdp2/base/device_ops.py) in place of CUDA's
 streams, and, as a ``TorchDispatchMode``, sees every op:
 
 - clocks: each stream keeps a vector clock (stream -> ticks seen). Every op

@@ -16,7 +16,7 @@ The bug these guard against: dynamo used to trace the hooks, and the traced
 ``buffer.narrow(...).data`` that builds an unsharded parameter came back from
 the compiled graph as a view of the buffer, sharing its version counter, so
 every all-gather's copy-out bumped the version that backward checks
-(see [Note: hooks under torch.compile] in fsdp2/common.py).
+(see [Note: hooks under torch.compile] in fsdp2/engine/states.py).
 """
 
 from __future__ import annotations

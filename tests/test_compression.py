@@ -1,5 +1,5 @@
 """The quantizers and CompressionPolicy, single process (see [Note: wire formats]
-in fsdp2/wire.py)."""
+in fsdp2/comm/wire.py)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Compressed communication on 2 gloo ranks: the bytes on the wire, and the
 gradients and weights each setting gives against a reference that applies the
 same rounding to an unsharded model (see [Note: wire formats] in
-fsdp2/wire.py and [Note: the error model] in tests/error_model.py).
+fsdp2/comm/wire.py and [Note: the error model] in tests/error_model.py).
 
 How the references are built, per setting (W ranks, g_k = rank k's local
 gradient of a plain copy of the model, at the parameters the sharded model

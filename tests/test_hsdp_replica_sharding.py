@@ -1,5 +1,5 @@
 """``fully_shard(mesh=2D, shard_optimizer_over_replicas=True)``: HSDP whose
-sharded parameters are split again across the replicas (fsdp2/over_replicas.py).
+sharded parameters are split again across the replicas (fsdp2/comm/over_replicas.py).
 
 References (tests/error_model.py):
 - the unsharded model trained on the global batch (DDP math), within REF_TOL

@@ -1,5 +1,5 @@
 """Elementwise torch optimizers step the local tensors of fsdp2's parameters
-(fsdp2/local_step.py), and nothing a user can see changes.
+(fsdp2/optim/local_step.py), and nothing a user can see changes.
 
 The reference is torch's fully_shard on the same model, data and optimizer:
 its optimizer runs every op on DTensors (today's path), so after each step

@@ -1,5 +1,5 @@
 """Mistakes that used to train silently wrong now stop at the first forward or
-optimizer step (fsdp2/mistakes.py, fsdp2/same_model.py), and the legitimate
+optimizer step (fsdp2/checks/mistakes.py, fsdp2/checks/same_model.py), and the legitimate
 uses that look like them run without an error or a warning:
 
 - a root left unsharded (its parameters trained apart on each rank),
@@ -11,7 +11,7 @@ uses that look like them run without an error or a warning:
 One spawn per world size: 2 ranks for FSDP, 4 for HSDP and TP (2 x 2).
 
 A model mixing fsdp2 with torch's own fully_shard stops with one error from
-fsdp2 that says to use one implementation (fsdp2/torch_fsdp.py): in one
+fsdp2 that says to use one implementation (fsdp2/base/torch_fsdp.py): in one
 process, on a 1-rank gloo group.
 """
 

@@ -1,5 +1,5 @@
 """``compression=`` together with ``shard_optimizer_over_replicas=True`` (see
-[Note: compression over replicas] in fsdp2/over_replicas.py), on 2 x 2 gloo
+[Note: compression over replicas] in fsdp2/comm/over_replicas.py), on 2 x 2 gloo
 ranks; 2 x 4 is in test_hsdp_replica_sharding.py's 8-rank test.
 
 References:

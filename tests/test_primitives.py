@@ -1,5 +1,5 @@
 """fsdp2's all-gather and reduce-scatter on gloo ([Note: collectives on gloo]
-in fsdp2/primitives.py) against torch's own, on 1 to 4 ranks.
+in fsdp2/comm/primitives.py) against torch's own, on 1 to 4 ranks.
 
 Inputs are small integers, so every sum is exact in any order and the results
 must be equal to torch's bit for bit; fsdp2's path is seen to run (W

@@ -1,4 +1,4 @@
-"""A group's sharded grads are made once and reused (fsdp2/sharded_grads.py),
+"""A group's sharded grads are made once and reused (fsdp2/engine/sharded_grads.py),
 and nothing a user can see changes.
 
 The reference is torch's fully_shard on the same model and data, driven

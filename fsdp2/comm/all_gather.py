@@ -1,5 +1,5 @@
 """The all-gather of a param group, as a variant the group picks once
-(comms.py) and calls without asking which it is.
+(variants.py) and calls without asking which it is.
 
 Layout (W = world size of the all-gather, see [Note: the padded layout] in
 layout.py): ``all_gather_output`` is 1D, ``W * block_numel`` long, rank k's

@@ -12,7 +12,7 @@ included.
 
 A custom collective takes the place of fsdp2's in the ``Collectives`` a
 variant holds (``WithCustomAllGather``, ``WithCustomReduceScatter``): the
-variant (comms.py) does not know it is there.
+variant (variants.py) does not know it is there.
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ each chunk over R", as FSDP over tensor parallelism does. For uneven dims
 torch's ``_StridedShard`` places rows like nested ``torch.chunk`` only for
 some sizes (for R = 2 every size checked, up to 3000 rows and S = 32; not
 e.g. 7 rows on R=3 x S=2 or 9 rows on R=4 x S=2):
-``common.strided_layout_matches`` tells, and ``fully_shard`` refuses the
+``mesh_info.strided_layout_matches`` tells, and ``fully_shard`` refuses the
 others. In the buffers across replicas a piece's slot is ``piece_rows *
 row_numel`` elements on every rank of a replica group (``piece_rows =
 ceil(chunk rows / R)``: the chunk has the same rows on every rank of a

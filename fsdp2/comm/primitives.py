@@ -19,7 +19,7 @@ copies come out of the cores that compute. ``GlooCollectives`` instead
 Every rank takes the same path for the same group (the choice depends on the
 group alone), or ranks would wait for different messages. Dispatch modes
 (``CommDebugMode``, the tests' stream model) still see the one c10d
-collective each call implements (``private_api.run_as_collective``); the
+collective each call implements (``private_dist.run_as_collective``); the
 gain is measured in docs/performance.md.
 """
 

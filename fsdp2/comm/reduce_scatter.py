@@ -1,5 +1,5 @@
 """The gradient reduce-scatter of a param group, as a variant the group picks
-once (comms.py) and calls without asking which it is.
+once (variants.py) and calls without asking which it is.
 
 Layout (W = shard world size, see [Note: the padded layout] in layout.py):
 ``reduce_scatter_input`` is ``(W, block_numel)``, row k holding chunk k of

@@ -1,6 +1,6 @@
 """What a param group's gradient reduction does across HSDP replicas after
 its reduce-scatter inside the shard group: a stage the group picks once
-(comms.py) and the reduction pipeline (reduction.py) calls without asking
+(variants.py) and the reduction pipeline (reduction.py) calls without asking
 which it is.
 
 - ``ReplicaStage``: nothing (FSDP, a 1D mesh).

@@ -306,7 +306,7 @@ class FSDPParam:
         That is what lets backward reuse activations saved in forward after a
         reshard and a fresh all-gather refilled the same storage. It holds
         because this runs eagerly, never traced (see [Note: hooks under
-        torch.compile] in common.py).
+        torch.compile] in engine/states.py).
         """
         if self._unsharded_padded is None:
             layout = self.layout

@@ -83,7 +83,7 @@ class FSDPParamGroup:
         # Kept unsharded through forwards: a pipeline's split backward has
         # weight halves to run (torch_internals.py, [Note: split backward]).
         self.held_for_weight_grads = False
-        # The communication variants (comms.py), chosen again when a setting changes.
+        # The communication variants (comm/variants.py), chosen again when a setting changes.
         self.settings = settings
         self.comms = self._choose_comms(settings, previous=None)
         self.requires_gradient_sync = True

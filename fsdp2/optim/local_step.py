@@ -13,7 +13,7 @@ not a call: private_api.py says why). The optimizer's own ``_init_group``
 gathers the parameters, gradients and states as it always does; states are
 made from the DTensor parameters, so they stay DTensors and
 ``state_dict()``, DCP and checkpoints see what they saw before. Then, before
-the optimizer's math runs on them, ``private_api.step_local_tensors`` puts
+the optimizer's math runs on them, ``private_dist.step_local_tensors`` puts
 each DTensor in those lists by its local tensor, all or nothing per param
 group: a row whose DTensors are not laid out like its parameter (a Partial
 gradient, a state loaded with other placements) keeps the whole group on
