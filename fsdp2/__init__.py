@@ -44,6 +44,7 @@ __all__ = [
 # torch's do: ``torch.distributed.fsdp``), so that pickles (a policy in a
 # saved config), reprs and messages stay the same whatever the package's
 # layout.
-for _name in __all__[1:]:
-    globals()[_name].__module__ = __name__
+for _name in __all__:
+    if _name != "__version__":
+        globals()[_name].__module__ = __name__
 del _name
