@@ -47,11 +47,12 @@ bench: setup
 
 # Host time with many parameter tensors (1k, 5k, 20k; 1 and 2 ranks): optimizer step,
 # clipping, forward+backward and the whole step of plain / fsdp2 / torch's fully_shard,
-# interleaved (several minutes); then SGD's variants against plain tensors at 1k and 20k.
+# interleaved (several minutes); then every elementwise optimizer's step against plain
+# tensors at 1k and 20k.
 bench-host: setup
 	$(PY) scripts/bench_host.py
-	$(PY) scripts/bench_sgd.py
-	$(PY) scripts/bench_sgd.py --params 20480
+	$(PY) scripts/bench_optim.py
+	$(PY) scripts/bench_optim.py --params 20480
 
 # On a CUDA machine: parity, overlap, memory and step time against torch's
 # fully_shard (a few minutes, one table); without CUDA it says so and exits 0.

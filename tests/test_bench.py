@@ -15,8 +15,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 import bench  # noqa: E402
 import bench_host  # noqa: E402
 import bench_import  # noqa: E402
+import bench_optim  # noqa: E402
 import bench_pp  # noqa: E402
-import bench_sgd  # noqa: E402
 
 
 @pytest.mark.distributed
@@ -129,12 +129,15 @@ def test_bench_import_runs_and_reports(capsys: pytest.CaptureFixture) -> None:
     assert "import time, median of 1 fresh processes" in capsys.readouterr().out
 
 
-def test_bench_sgd_runs_and_reports() -> None:
-    """scripts/bench_sgd.py on 32 tensors, 3 rounds (in its own process: it
-    starts a process group): a row per SGD variant, with both times."""
-    script = Path(__file__).resolve().parent.parent / "scripts" / "bench_sgd.py"
+def test_bench_optim_runs_and_reports() -> None:
+    """scripts/bench_optim.py on 32 tensors, 2 rounds, three of its optimizers
+    (in its own process: it starts a process group): a row for each of their
+    variants, with both times, and the highest ratio named. By default it
+    runs every elementwise optimizer fsdp2 steps on local tensors."""
+    script = Path(__file__).resolve().parent.parent / "scripts" / "bench_optim.py"
+    asked = ["Adam", "Rprop", "SGD"]
     out = subprocess.run(
-        [sys.executable, str(script), "--params", "32", "--rounds", "3"],
+        [sys.executable, str(script), "--params", "32", "--rounds", "2", "--optimizers", *asked],
         check=True,
         capture_output=True,
         text=True,
@@ -142,7 +145,9 @@ def test_bench_sgd_runs_and_reports() -> None:
     ).stdout
     rows = [line for line in out.splitlines() if line.startswith("| ") and "(ms)" not in line]
     rows = [row for row in rows if not row.startswith("| ---")]
-    assert [row.split(" | ")[0].removeprefix("| ") for row in rows] == list(bench_sgd.VARIANTS), out
+    expected = [name for optimizer in asked for name in bench_optim.variants(optimizer)]
+    assert [row.split(" | ")[0].removeprefix("| ") for row in rows] == expected, out
     for row in rows:
         plain, ours, ratio = (float(cell) for cell in row.strip(" |").split(" | ")[1:])
         assert plain > 0 and ours > 0 and ratio > 0, row
+    assert "highest fsdp2 / plain: " in out, out
