@@ -50,7 +50,10 @@ rank's, at world size 2) and the ratios to plain:
   foreach by default), ``zero_grad()``.
 
 Under each table, the hooks' cost: forward+backward above the plain model's,
-per group per step (microseconds), fsdp2's and torch's, and their ratio.
+per group per step (microseconds), fsdp2's and torch's, and their ratio; then
+the same of the training thread's CPU time (``time.thread_time``), which
+leaves out its waits: at world size 2 on a CPU, the collectives' latency
+and the other rank's pace.
 """
 
 from __future__ import annotations
@@ -90,6 +93,10 @@ MEASURES = (
     "clip (fsdp2's)",
     "whole step",
 )
+
+
+# forward+backward's CPU time of the training thread (its key in the results).
+TRAINING_THREAD_CPU = "forward+backward, training thread's CPU"
 
 
 class Experts(nn.Module):
@@ -217,12 +224,15 @@ def _run(
             return
         keep = keep and measure in measured
         dist.barrier()
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.thread_time()
         fn()
         synchronize()
         elapsed = time.perf_counter() - start
         if keep:
             times.setdefault((measure, name), []).append(elapsed)
+            if measure == "forward+backward":  # the training thread's own work, waits left out
+                cpu = time.thread_time() - start_cpu
+                times.setdefault((TRAINING_THREAD_CPU, name), []).append(cpu)
 
     for i in range(rounds + 1):  # the first round warms up (optimizer states, lazy init)
         order = names[i % len(names) :] + names[: i % len(names)]
@@ -289,21 +299,28 @@ def _table(
 
 def _hooks_line(results: dict[tuple[str, str], float]) -> list[str]:
     """The hooks' cost as issue 33 states its target: forward+backward above
-    the plain model's, per group per step, fsdp2's against torch's."""
-    plain = results.get(("forward+backward", "plain"))
-    above = {
-        name: (value - plain) / GROUPS * 1e6
-        for name in ("fsdp2", "torch")
-        if plain is not None and (value := results.get(("forward+backward", name))) is not None
-    }
-    if "fsdp2" not in above:
-        return []
-    line = f"hooks (forward+backward above plain) per group per step: fsdp2 {above['fsdp2']:.0f} us"
-    if "torch" in above:
-        line += (
-            f", torch {above['torch']:.0f} us, fsdp2 / torch {above['fsdp2'] / above['torch']:.2f}"
-        )
-    return [line]
+    the plain model's, per group per step, fsdp2's against torch's; then the
+    same of the training thread's CPU time, which leaves out the time it
+    waits (at world size 2, for the other rank and gloo's threads)."""
+    lines = []
+    for measure, head in (
+        ("forward+backward", "hooks (forward+backward above plain) per group per step"),
+        (TRAINING_THREAD_CPU, "the training thread's CPU time of it"),
+    ):
+        plain = results.get((measure, "plain"))
+        above = {
+            name: (value - plain) / GROUPS * 1e6
+            for name in ("fsdp2", "torch")
+            if plain is not None and (value := results.get((measure, name))) is not None
+        }
+        if "fsdp2" not in above:
+            continue
+        line = f"{head}: fsdp2 {above['fsdp2']:.0f} us"
+        if "torch" in above:
+            ratio = above["fsdp2"] / above["torch"]
+            line += f", torch {above['torch']:.0f} us, fsdp2 / torch {ratio:.2f}"
+        lines.append(line)
+    return lines
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -82,7 +82,7 @@ class FSDPParam:
         self.sharded_param.__dict__[SHARDED] = layout
         self._unsharded_padded: torch.Tensor | None = None
         # Its storage and full size, kept: every unshard and reshard resizes it.
-        self._padded_storage: tuple[torch.UntypedStorage, int] | None = None
+        self.padded_storage: tuple[torch.UntypedStorage, int] | None = None
         # (unsharded_padded, world size, its rank-major view): a view stays valid
         # across the storage's frees and reallocations.
         self._rank_major: tuple[torch.Tensor, int, torch.Tensor] | None = None
@@ -140,7 +140,7 @@ class FSDPParam:
             self._init_dtypes(param.dtype)
             # Rebuilt in the new dtype at the next unshard.
             self._unsharded_padded = None
-            self._padded_storage = None
+            self.padded_storage = None
             self.unsharded_param = None
             self._grad_spec = None
         local = local_tensor(param)
@@ -313,7 +313,7 @@ class FSDPParam:
             padded = self._unsharded_padded = torch.empty(
                 layout.padded_unsharded_size, dtype=self.param_dtype, device=self.device
             )
-            self._padded_storage = (
+            self.padded_storage = (
                 padded.untyped_storage(),
                 padded.numel() * padded.element_size(),
             )
@@ -325,8 +325,8 @@ class FSDPParam:
             self.unsharded_param = nn.Parameter(data, requires_grad=self.requires_grad)
             self.unsharded_param.__dict__[UNSHARDED] = self.fqn
         else:
-            storage, nbytes = self._padded_storage  # type: ignore[misc]
-            if storage.size() != nbytes:
+            storage, nbytes = self.padded_storage  # type: ignore[misc]
+            if storage.nbytes() != nbytes:
                 storage.resize_(nbytes)
         return self._unsharded_padded
 
@@ -336,8 +336,8 @@ class FSDPParam:
         self.alloc_unsharded().copy_(local_tensor(self.sharded_param))
 
     def free_unsharded(self) -> None:
-        if self._padded_storage is not None:
-            self._padded_storage[0].resize_(0)
+        if self.padded_storage is not None:
+            self.padded_storage[0].resize_(0)
         if self.extension is not None:
             self.extension.free()
 

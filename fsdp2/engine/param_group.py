@@ -23,6 +23,7 @@ See docs/design.md for the whole picture.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from typing import Protocol
 
@@ -43,6 +44,7 @@ from .param import FSDPParam
 from .post_backward import PostBackwardCount
 from .sharded_grads import GroupGrads
 from .states import ShardedState, TrainingState
+from .unsharded import UnshardedStorages
 
 
 class GroupContext(Protocol):
@@ -123,6 +125,16 @@ class FSDPParamGroup:
             for i, p in enumerate(fsdp_params)
             for r in p.registrations
         ]
+        self._unsharded = UnshardedStorages(self.sharded_params)
+        # Where each sharded parameter sits first, and the parameter the module
+        # must still hold there at each all-gather (``_check_not_replaced``).
+        held = [p for p in self.sharded_params if p.registrations]
+        self._first_slots = (
+            [module_parameters(p.registrations[0].module) for p in held],
+            [p.registrations[0].name for p in held],
+        )
+        self._held = held
+        self._expected = [p.sharded_param for p in held]
 
     def configure(self, **changes: object) -> None:
         """Changes the communication settings (``CommSettings``' fields) and
@@ -192,8 +204,7 @@ class FSDPParamGroup:
             inputs = AllGatherInputs([shard], [(shard.numel(), shard.dtype)], (False,))
         else:
             info, variant = self.mesh_info, self.comms.all_gather
-            for fsdp_param in self.sharded_params:
-                fsdp_param.check_not_replaced()
+            self._check_not_replaced()
             inputs = variant.inputs(self.sharded_params, comm, self.name)
         if (check := self.root_ctx.order_check) is not None:
             check.before_collective(
@@ -202,6 +213,14 @@ class FSDPParamGroup:
         logger.debug("%s: all-gather issued (%s)", self.name, self.sharded_state.name)
         self.all_gathers_started += 1
         self._all_gather = variant.gather(inputs, comm, self.name)
+
+    def _check_not_replaced(self) -> None:
+        """``FSDPParam.check_not_replaced`` of every sharded parameter, as one
+        comparison of lists while none was replaced."""
+        dicts, names = self._first_slots
+        if not all(map(operator.is_, map(operator.getitem, dicts, names), self._expected)):
+            for fsdp_param in self._held:
+                fsdp_param.check_not_replaced()
 
     def _all_gather_slots(self) -> list[tuple[int, torch.dtype]]:
         return [slot for p in self.sharded_params for slot in p.all_gather_slots]
@@ -220,8 +239,7 @@ class FSDPParamGroup:
             in_training = torch.is_grad_enabled() or self.root_ctx.backward_running
             check.record("all-gather", self.position, in_training)
         with profiled("all_gather_copy_out", self.name):
-            outputs = [out for p in self.sharded_params for out in p.all_gather_outputs(world_size)]
-            self._all_gather.copy_out(outputs)
+            self._all_gather.copy_out(self._unsharded.outputs(world_size))
             self.root_ctx.comm.copied_out(self._all_gather.all_gather_output)
             for fsdp_param in self.sharded_params:
                 fsdp_param.finish_unshard()
@@ -263,8 +281,7 @@ class FSDPParamGroup:
         buffer_dtype = all_gather_dtype([dtype for _, dtype in self._all_gather_slots()])
         blocks = [
             as_buffer_dtype(out[info.shard_rank].reshape(-1), buffer_dtype)
-            for p in self.sharded_params
-            for out in p.all_gather_outputs(info.shard_world_size)
+            for out in self._unsharded.outputs(info.shard_world_size)
         ]
         self._post_forward_shard = torch.cat(blocks)
         self._post_forward_shard_written = self.root_ctx.comm.shard_written()
@@ -276,6 +293,8 @@ class FSDPParamGroup:
         ``FSDPParam.reset_sharded_param``)."""
         for fsdp_param in self.fsdp_params:
             fsdp_param.reset_sharded_param(self.root_ctx.comm.ops)
+        self._unsharded.forget()
+        self._expected = [p.sharded_param for p in self._held]
         self.comms.all_gather.forget_kept()
         if self.comms.post_forward_all_gather is not None:
             self.comms.post_forward_all_gather.forget_kept()
@@ -283,7 +302,8 @@ class FSDPParamGroup:
 
     def _to_sharded(self) -> None:
         self._put_on_modules([p.sharded_param for p in self.fsdp_params])
-        for fsdp_param in self.fsdp_params:
+        self._unsharded.free()
+        for fsdp_param in self.whole_params:
             fsdp_param.free_unsharded()
 
     def _put_on_modules(self, params: list[nn.Parameter | None]) -> None:
