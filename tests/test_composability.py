@@ -385,3 +385,56 @@ def test_state_and_composable_registry() -> None:
         assert fsdp2.fully_shard.state(model[0]) is not state
         assert fsdp2.fully_shard.state(nn.Linear(2, 2)) is None
         assert all(_is_fully_sharded(m) for m in model.modules())
+
+
+class _Pair(NamedTuple):
+    first: torch.Tensor
+    second: object
+
+
+@dataclasses.dataclass
+class _Batch:
+    ids: torch.Tensor
+    mask: torch.Tensor | None
+
+
+def test_module_call_trees_walked_as_pytree_walks_them() -> None:
+    """The hooks walk every module call's inputs and outputs (``map_tensors``,
+    ``tensors_in``); plain tuples, lists and dicts of tensors and scalars are
+    walked without pytree, and must come out as pytree's walk gives them;
+    anything else (namedtuples, OrderedDicts, torch.Size, dataclasses) goes
+    through pytree."""
+    from collections import OrderedDict
+
+    import torch.utils._pytree as pytree
+
+    from fsdp2.base.private_api import map_tensors, tensors_in
+
+    a, b, c = torch.ones(1), torch.zeros(2), torch.full((3,), 2.0)
+    trees = [
+        ((a,), {}),
+        ((a, None, 3, 0.5, True, "s"), {"mask": b, "z": None, "y": [c, (a,)]}),
+        [],
+        a,
+        {"b": b, "a": a},
+        ((_Pair(a, 1),), {"d": OrderedDict(x=b)}),
+        (torch.Size([2, 3]), [c]),
+    ]
+    for tree in trees:
+        leaves, spec = pytree.tree_flatten(tree)
+        expected = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+        assert [id(t) for t in tensors_in(tree)] == [id(t) for t in expected], tree
+        doubled = map_tensors(tree, lambda t: t * 2)
+        by_pytree = pytree.tree_unflatten(
+            [leaf * 2 if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves], spec
+        )
+        assert pytree.tree_structure(doubled) == pytree.tree_structure(by_pytree), tree
+        pairs = zip(pytree.tree_leaves(doubled), pytree.tree_leaves(by_pytree), strict=True)
+        for got, want in pairs:
+            assert type(got) is type(want), tree
+            assert torch.equal(got, want) if isinstance(want, torch.Tensor) else got == want
+    # Dataclasses (not registered with pytree): copied with their tensors mapped.
+    batch = _Batch(a, None)
+    assert tensors_in(((batch,), {})) == [a]
+    (mapped,), _ = map_tensors(((batch,), {}), lambda t: t + 1)
+    assert type(mapped) is _Batch and mapped is not batch and torch.equal(mapped.ids, a + 1)

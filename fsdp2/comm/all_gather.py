@@ -29,7 +29,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..base.private_api import foreach_copy_
+from ..base.private_api import foreach_copy_, without_grad
 from ..base.private_dist import local_tensor
 from .compressed import Int8Rows, all_gather_row, copy_out_int8
 from .context import ALL_GATHER, CommContext, CommKind, InFlight
@@ -192,7 +192,7 @@ class AllGatherComm:
         self._kept = KeptInputs(params, inputs) if KeptInputs.keepable(params, inputs) else None
         return inputs if self._kept is None else self._kept.inputs
 
-    @torch.no_grad()
+    @without_grad
     def gather(self, inputs: AllGatherInputs, comm: CommContext, name: str) -> AllGatherInFlight:
         """Copies the inputs into this rank's block of a new buffer and starts
         the all-gather."""
@@ -262,7 +262,7 @@ class AllGatherComm:
             non_blocking=comm.uses_streams,
         )
 
-    @torch.no_grad()
+    @without_grad
     def copy_out(self, all_gather_output: torch.Tensor, outputs: list[torch.Tensor]) -> None:
         """One fused copy of the W blocks into ``outputs``, each rank-major
         (``ShardLayout.rank_major``): rank k's slot goes to row k."""
@@ -313,7 +313,7 @@ class Int8AllGather(AllGatherComm):
         super().__init__(collectives, rank, world_size, exchanges, kind)
         self.block_size = block_size
 
-    @torch.no_grad()
+    @without_grad
     def gather(self, inputs: AllGatherInputs, comm: CommContext, name: str) -> AllGatherInFlight:
         if not inputs.tensors:
             return super().gather(inputs, comm, name)

@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..base.private_api import chunk_cat_, profiled
+from ..base.private_api import chunk_cat_, profiled, without_grad
 from .compressed import GradientWire, encode_rows, exchange
 from .context import ALL_REDUCE, REDUCE_SCATTER, CommContext, CommKind, InFlight
 from .divide import DividePlan
@@ -130,7 +130,7 @@ class ReduceScatterComm:
         fp32 for compressed ones."""
         return reduce_dtype if self.wire is None else torch.float32
 
-    @torch.no_grad()
+    @without_grad
     def start(
         self,
         fsdp_params: Sequence[CommParam],

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from ..base.private_api import without_grad
 from .compressed import GradientWire, all_reduce_sent_bytes
 from .compressed import all_reduce as compressed_all_reduce
 from .context import ALL_REDUCE, CommContext, InFlight
@@ -53,7 +54,7 @@ class ReplicaStage:
 class KeepPartial(ReplicaStage):
     """HSDP without the reduction across replicas (``set_requires_all_reduce(False)``)."""
 
-    @torch.no_grad()
+    @without_grad
     def start(
         self,
         reduced: ReduceInFlight,
@@ -69,7 +70,7 @@ class KeepPartial(ReplicaStage):
         return None
 
 
-@torch.no_grad()
+@without_grad
 def add_partial_grads(reduced: ReduceInFlight) -> None:
     """Adds the shard-group sums kept by earlier backwards (``KeepPartial``)."""
     for fsdp_param, local_grad in zip(reduced.fsdp_params, reduced.views(), strict=True):
@@ -92,7 +93,7 @@ class AllReduceAcrossReplicas(ReplicaStage):
         # Kept sums are added after the reduce-scatter, the CPU way.
         return all(p.partial_grad is None for p in reduced.fsdp_params)
 
-    @torch.no_grad()
+    @without_grad
     def start(
         self,
         reduced: ReduceInFlight,

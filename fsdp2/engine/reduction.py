@@ -29,7 +29,7 @@ import torch
 
 from ..base.device_ops import DeviceOps
 from ..base.log import logger
-from ..base.private_api import profiled
+from ..base.private_api import profiled, without_grad
 from ..comm.context import InFlight
 from ..comm.offload import HostCopy
 from ..comm.reduce_scatter import ReduceInFlight
@@ -224,7 +224,7 @@ class ReductionPipeline:
         comm.release_copied_out()
 
 
-@torch.no_grad()
+@without_grad
 def average(reduced: ReduceInFlight) -> None:
     """Divides a finished reduction by what its plan left to divide after the
     collectives (by default the mean is over the ranks, as DDP's)."""
@@ -232,7 +232,7 @@ def average(reduced: ReduceInFlight) -> None:
         reduced.output.div_(divisor)
 
 
-@torch.no_grad()
+@without_grad
 def assign_sharded_grads(
     reduced: ReduceInFlight, ops: DeviceOps | None = None, kept: GroupGrads | None = None
 ) -> list[HostCopy]:
