@@ -46,6 +46,8 @@ from .sharded_grads import GroupGrads
 from .states import ShardedState, TrainingState
 from .unsharded import UnshardedStorages
 
+_SHARDED_PARAM = operator.attrgetter("sharded_param")
+
 
 class GroupContext(Protocol):
     """What a group reads of the context of its root (``RootContext``, root.py)."""
@@ -126,15 +128,13 @@ class FSDPParamGroup:
             for r in p.registrations
         ]
         self._unsharded = UnshardedStorages(self.sharded_params)
-        # Where each sharded parameter sits first, and the parameter the module
-        # must still hold there at each all-gather (``_check_not_replaced``).
-        held = [p for p in self.sharded_params if p.registrations]
+        # The sharded parameters that sit on a module, and where each sits first:
+        # the module must still hold it there at each all-gather (``_check_not_replaced``).
+        self._held = [p for p in self.sharded_params if p.registrations]
         self._first_slots = (
-            [module_parameters(p.registrations[0].module) for p in held],
-            [p.registrations[0].name for p in held],
+            [module_parameters(p.registrations[0].module) for p in self._held],
+            [p.registrations[0].name for p in self._held],
         )
-        self._held = held
-        self._expected = [p.sharded_param for p in held]
 
     def configure(self, **changes: object) -> None:
         """Changes the communication settings (``CommSettings``' fields) and
@@ -218,7 +218,8 @@ class FSDPParamGroup:
         """``FSDPParam.check_not_replaced`` of every sharded parameter, as one
         comparison of lists while none was replaced."""
         dicts, names = self._first_slots
-        if not all(map(operator.is_, map(operator.getitem, dicts, names), self._expected)):
+        held = map(operator.getitem, dicts, names)
+        if not all(map(operator.is_, held, map(_SHARDED_PARAM, self._held))):
             for fsdp_param in self._held:
                 fsdp_param.check_not_replaced()
 
@@ -294,7 +295,6 @@ class FSDPParamGroup:
         for fsdp_param in self.fsdp_params:
             fsdp_param.reset_sharded_param(self.root_ctx.comm.ops)
         self._unsharded.forget()
-        self._expected = [p.sharded_param for p in self._held]
         self.comms.all_gather.forget_kept()
         if self.comms.post_forward_all_gather is not None:
             self.comms.post_forward_all_gather.forget_kept()
