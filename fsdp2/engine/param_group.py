@@ -72,6 +72,8 @@ class FSDPParamGroup:
         # All-gathered, vs. kept whole on every rank (min_numel_to_shard).
         self.sharded_params = [p for p in fsdp_params if not p.layout.whole]
         self.whole_params = [p for p in fsdp_params if p.layout.whole]
+        # Those whose unsharded parameter an all-gather extension builds after the copy-out.
+        self._extended = [p for p in self.sharded_params if p.extension is not None]
         self.modules = tuple(modules)  # the modules passed to fully_shard
         self.mesh_info = mesh_info
         self.root_ctx = root_ctx  # replaced by the root's context at lazy init
@@ -242,7 +244,7 @@ class FSDPParamGroup:
         with profiled("all_gather_copy_out", self.name):
             self._all_gather.copy_out(self._unsharded.outputs(world_size))
             self.root_ctx.comm.copied_out(self._all_gather.all_gather_output)
-            for fsdp_param in self.sharded_params:
+            for fsdp_param in self._extended:
                 fsdp_param.finish_unshard()
             if self.whole_params:
                 self.root_ctx.comm.wait_for_optimizer()
